@@ -1,0 +1,229 @@
+from google.rpc import status_pb2 as _status_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+
+class Reduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REDUCTION_UNSPECIFIED: _ClassVar[Reduction]
+    REDUCTION_NONE: _ClassVar[Reduction]
+    REDUCTION_AVG_POOL: _ClassVar[Reduction]
+    REDUCTION_MAX_POOL: _ClassVar[Reduction]
+    REDUCTION_FLATTEN: _ClassVar[Reduction]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+REDUCTION_UNSPECIFIED: Reduction
+REDUCTION_NONE: Reduction
+REDUCTION_AVG_POOL: Reduction
+REDUCTION_MAX_POOL: Reduction
+REDUCTION_FLATTEN: Reduction
+
+class LayerRequest(_message.Message):
+    __slots__ = ("name", "reduction", "dtype", "l2_normalize")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REDUCTION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    L2_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reduction: Reduction
+    dtype: DType
+    l2_normalize: bool
+    def __init__(self, name: _Optional[str] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., l2_normalize: _Optional[bool] = ...) -> None: ...
+
+class Preprocessing(_message.Message):
+    __slots__ = ("mode", "resize", "crop_height", "crop_width")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_UNSPECIFIED: _ClassVar[Preprocessing.Mode]
+        MODE_DEFAULT: _ClassVar[Preprocessing.Mode]
+        MODE_RESIZE_CROP: _ClassVar[Preprocessing.Mode]
+        MODE_NATIVE: _ClassVar[Preprocessing.Mode]
+    MODE_UNSPECIFIED: Preprocessing.Mode
+    MODE_DEFAULT: Preprocessing.Mode
+    MODE_RESIZE_CROP: Preprocessing.Mode
+    MODE_NATIVE: Preprocessing.Mode
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    CROP_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CROP_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    mode: Preprocessing.Mode
+    resize: int
+    crop_height: int
+    crop_width: int
+    def __init__(self, mode: _Optional[_Union[Preprocessing.Mode, str]] = ..., resize: _Optional[int] = ..., crop_height: _Optional[int] = ..., crop_width: _Optional[int] = ...) -> None: ...
+
+class ExtractionSpec(_message.Message):
+    __slots__ = ("model", "layers", "preprocessing")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESSING_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layers: _containers.RepeatedCompositeFieldContainer[LayerRequest]
+    preprocessing: Preprocessing
+    def __init__(self, model: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRequest, _Mapping]]] = ..., preprocessing: _Optional[_Union[Preprocessing, _Mapping]] = ...) -> None: ...
+
+class RawImage(_message.Message):
+    __slots__ = ("pixels", "height", "width")
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    pixels: bytes
+    height: int
+    width: int
+    def __init__(self, pixels: _Optional[bytes] = ..., height: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("id", "encoded", "raw")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    encoded: bytes
+    raw: RawImage
+    def __init__(self, id: _Optional[str] = ..., encoded: _Optional[bytes] = ..., raw: _Optional[_Union[RawImage, _Mapping]] = ...) -> None: ...
+
+class ExtractRequest(_message.Message):
+    __slots__ = ("spec", "image")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    spec: ExtractionSpec
+    image: Image
+    def __init__(self, spec: _Optional[_Union[ExtractionSpec, _Mapping]] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("layer", "dtype", "shape", "total_bytes", "offset", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    total_bytes: int
+    offset: int
+    data: bytes
+    def __init__(self, layer: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ExtractResponse(_message.Message):
+    __slots__ = ("image_id", "image_index", "tensor", "status")
+    IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    image_id: str
+    image_index: int
+    tensor: TensorChunk
+    status: _status_pb2.Status
+    def __init__(self, image_id: _Optional[str] = ..., image_index: _Optional[int] = ..., tensor: _Optional[_Union[TensorChunk, _Mapping]] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class WeightsInfo(_message.Message):
+    __slots__ = ("source", "name", "digest", "pretrained", "verified")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PRETRAINED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    name: str
+    digest: str
+    pretrained: bool
+    verified: bool
+    def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., digest: _Optional[str] = ..., pretrained: _Optional[bool] = ..., verified: _Optional[bool] = ...) -> None: ...
+
+class PreprocessingInfo(_message.Message):
+    __slots__ = ("resize", "crop_height", "crop_width", "mean", "std", "interpolation")
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    CROP_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CROP_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    INTERPOLATION_FIELD_NUMBER: _ClassVar[int]
+    resize: int
+    crop_height: int
+    crop_width: int
+    mean: _containers.RepeatedScalarFieldContainer[float]
+    std: _containers.RepeatedScalarFieldContainer[float]
+    interpolation: str
+    def __init__(self, resize: _Optional[int] = ..., crop_height: _Optional[int] = ..., crop_width: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., interpolation: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "architecture", "weights", "device", "dtype", "preprocessing")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESSING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    weights: WeightsInfo
+    device: str
+    dtype: DType
+    preprocessing: PreprocessingInfo
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., weights: _Optional[_Union[WeightsInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., preprocessing: _Optional[_Union[PreprocessingInfo, _Mapping]] = ...) -> None: ...
+
+class DescribeModelRequest(_message.Message):
+    __slots__ = ("model", "input_height", "input_width")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    input_height: int
+    input_width: int
+    def __init__(self, model: _Optional[str] = ..., input_height: _Optional[int] = ..., input_width: _Optional[int] = ...) -> None: ...
+
+class LayerInfo(_message.Message):
+    __slots__ = ("name", "module", "type", "output_shape", "dtype", "bytes_per_image", "order")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    module: str
+    type: str
+    output_shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    bytes_per_image: int
+    order: int
+    def __init__(self, name: _Optional[str] = ..., module: _Optional[str] = ..., type: _Optional[str] = ..., output_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes_per_image: _Optional[int] = ..., order: _Optional[int] = ...) -> None: ...
+
+class DescribeModelResponse(_message.Message):
+    __slots__ = ("model", "input_height", "input_width", "layers")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    input_height: int
+    input_width: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., input_height: _Optional[int] = ..., input_width: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ...) -> None: ...
