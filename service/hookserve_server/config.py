@@ -1,0 +1,106 @@
+"""`hookserve serve` flags. Torch-free, so `--help` works without the server extra.
+
+Every flag has a HOOKSERVE_* environment equivalent (flag name upper-cased,
+dashes to underscores); repeatable flags take a comma-separated list there.
+A flag given on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+MiB = 1 << 20
+
+
+def _env(flag: str) -> str:
+    return "HOOKSERVE_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _add(p: argparse.ArgumentParser, flag: str, *, default=None, type=str, help: str,
+         repeat: bool = False, choices=None, is_bool: bool = False) -> None:
+    env = _env(flag)
+    raw = os.environ.get(env)
+    if is_bool:
+        value = default if raw is None else raw.strip().lower() in ("1", "true", "yes", "on")
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
+                       help=f"{help} (env {env})")
+        return
+    if raw is not None:
+        value = [type(v.strip()) for v in raw.split(",") if v.strip()] if repeat else type(raw)
+    else:
+        value = default
+    shown = ",".join(map(str, value)) if isinstance(value, list) else value
+    p.add_argument(flag, default=value, type=type, action="append" if repeat else "store",
+                   choices=choices, help=f"{help} (default: {shown}; env {env})")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    _add(g, "--model", default=None, repeat=True,
+         help="architecture to serve; repeat for several (the first is the default "
+              "model). One of resnet18/34/50/101/152, vgg11/13/16/19 and their _bn "
+              "variants. Default: resnet50")
+    _add(g, "--weights", default=None, repeat=True,
+         help="auto | imagenet | random | PATH to a state_dict file, for every model; "
+              "or MODEL=SPEC for one model (repeatable). auto = imagenet when cached or "
+              "downloadable, else random with a loud warning. Default: auto")
+    _add(g, "--seed", default=0, type=int, help="seed for --weights random")
+    _add(g, "--device", default="auto",
+         help="auto (cuda:0 when CUDA is available, else cpu), cpu, or cuda:N")
+    _add(g, "--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+         help="dtype the models compute in (float16/bfloat16 are meant for GPUs)")
+    _add(g, "--channels-last", default=False, is_bool=True,
+         help="run convolutions in channels_last memory format (faster on GPUs)")
+    _add(g, "--threads", default=0, type=int,
+         help="torch intra-op threads on the CPU; 0 keeps torch's default")
+
+    g = p.add_argument_group("network")
+    _add(g, "--host", default="[::]", help="address to bind")
+    _add(g, "--port", default=50051, type=int, help="port; 0 picks a free one and logs it")
+    _add(g, "--max-streams", default=128, type=int,
+         help="concurrent calls; more get RESOURCE_EXHAUSTED")
+    _add(g, "--max-message-bytes", default=64 * MiB, type=int,
+         help="largest request message (one encoded image plus framing)")
+    _add(g, "--chunk-bytes", default=2 * MiB, type=int,
+         help="tensor bytes per response message (kept under gRPC's 4 MiB default)")
+    _add(g, "--grace-seconds", default=30.0, type=float,
+         help="on SIGTERM/SIGINT: time to finish in-flight images before exiting")
+
+    g = p.add_argument_group("batching and limits")
+    _add(g, "--max-batch-size", default=32, type=int, help="images per forward pass")
+    _add(g, "--max-batch-delay-ms", default=5.0, type=float,
+         help="longest a batch waits for more images while some are still being decoded")
+    _add(g, "--max-batch-bytes", default=1024 * MiB, type=int,
+         help="activation bytes (requested layers, before reduction) per batch")
+    _add(g, "--max-queue", default=1024, type=int,
+         help="images admitted (decoding or waiting for the model) across all calls; "
+              "beyond it images wait --queue-wait-ms, then get RESOURCE_EXHAUSTED")
+    _add(g, "--queue-wait-ms", default=2000.0, type=float,
+         help="how long an image waits for room in a full queue")
+    _add(g, "--max-inflight-per-stream", default=64, type=int,
+         help="images one stream may have unanswered; the stream then waits")
+    _add(g, "--max-stream-buffer-bytes", default=256 * MiB, type=int,
+         help="answer bytes one stream may have computed and not yet sent")
+    _add(g, "--max-image-pixels", default=50_000_000, type=int,
+         help="largest image (width x height), checked before decoding")
+    _add(g, "--max-response-bytes", default=1024 * MiB, type=int,
+         help="largest estimated answer for one image (all layers, after reduction)")
+    _add(g, "--max-input-side", default=8192, type=int,
+         help="largest model input height or width after preprocessing")
+    _add(g, "--preprocess-workers", default=min(8, os.cpu_count() or 2), type=int,
+         help="threads decoding and resizing images")
+
+    g = p.add_argument_group("security")
+    _add(g, "--tls-cert", default=None, help="PEM certificate chain; enables TLS")
+    _add(g, "--tls-key", default=None, help="PEM private key for --tls-cert")
+    _add(g, "--tls-client-ca", default=None,
+         help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)")
+    _add(g, "--auth-token-file", default=None,
+         help="file holding a bearer token every call but health checks must send")
+
+    g = p.add_argument_group("observability")
+    _add(g, "--metrics-port", default=None, type=int,
+         help="serve Prometheus metrics on this port (0 picks one); off when unset")
+    _add(g, "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+         help="log level")

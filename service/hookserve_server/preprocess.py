@@ -1,0 +1,194 @@
+"""Decoding and geometry: bytes or raw pixels in, a uint8 CHW tensor out.
+
+Normalisation (to float, minus mean, over std) happens later on the model's
+device, on the whole batch, so only uint8 crosses host to device.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as F
+
+from .errors import InvalidArgument
+from .spec import ImageInput, Preprocess
+
+# We enforce our own pixel limit before decoding; PIL's bomb check would raise a
+# different error type (or only warn) at a limit we don't control.
+Image.MAX_IMAGE_PIXELS = None
+
+#: PIL format names we accept ("MPO" is the multi-picture JPEG some cameras write).
+ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "TIFF", "GIF"})
+
+
+def _mpx(n: int) -> str:
+    return f"{n / 1e6:.1f} Mpx"
+
+
+def decode(image: ImageInput, max_pixels: int) -> np.ndarray:
+    """Decode an image to an HxWx3 uint8 RGB array, EXIF orientation applied.
+
+    Raises InvalidArgument with a message that says what to change.
+    """
+    if image.raw is not None:
+        return _raw_to_array(image, max_pixels)
+    data = image.encoded
+    if not data:
+        raise InvalidArgument(
+            "image is empty (0 bytes): send the bytes of an encoded image "
+            "(JPEG, PNG, WebP, BMP, TIFF, GIF) or raw RGB pixels"
+        )
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise InvalidArgument(
+            f"bytes are not a recognised image ({len(data)} bytes starting "
+            f"{data[:8].hex()}): send JPEG, PNG, WebP, BMP, TIFF or GIF"
+        ) from None
+    except Exception as exc:  # PIL raises many types on malformed headers
+        raise InvalidArgument(f"image header could not be read: {exc}") from None
+    fmt = img.format or "unknown"
+    if fmt not in ALLOWED_FORMATS:
+        raise InvalidArgument(
+            f"unsupported image format {fmt}: send JPEG, PNG, WebP, BMP, TIFF or GIF, "
+            "or decode it yourself and send raw RGB pixels"
+        )
+    w, h = img.size
+    if w <= 0 or h <= 0:
+        raise InvalidArgument(f"image has no pixels ({w}x{h})")
+    if w * h > max_pixels:
+        raise InvalidArgument(
+            f"image is {w}x{h} = {_mpx(w * h)}, over this server's limit of "
+            f"{_mpx(max_pixels)} (--max-image-pixels): downscale it before sending"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img.seek(0)  # GIF/TIFF: first frame
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            return _to_rgb_array(img)
+    except InvalidArgument:
+        raise
+    except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError...
+        raise InvalidArgument(
+            f"{fmt} data is corrupt or truncated ({len(data)} bytes): {exc}"
+        ) from None
+
+
+def _raw_to_array(image: ImageInput, max_pixels: int) -> np.ndarray:
+    h, w, raw = image.height, image.width, image.raw or b""
+    if h <= 0 or w <= 0:
+        raise InvalidArgument(
+            f"raw image needs a positive height and width, got {h}x{w}"
+        )
+    if h * w > max_pixels:
+        raise InvalidArgument(
+            f"raw image is {w}x{h} = {_mpx(w * h)}, over this server's limit of "
+            f"{_mpx(max_pixels)} (--max-image-pixels): downscale it before sending"
+        )
+    if len(raw) != h * w * 3:
+        raise InvalidArgument(
+            f"raw pixels are {len(raw)} bytes but height x width x 3 = {h}x{w}x3 = "
+            f"{h * w * 3}: send HxWx3 uint8 RGB, rows top to bottom"
+        )
+    return np.frombuffer(raw, dtype=np.uint8).reshape(h, w, 3)
+
+
+def _to_rgb_array(img: Image.Image) -> np.ndarray:
+    mode = img.mode
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        arr = np.asarray(img)
+        # 16-bit (or 32-bit int) grayscale: keep the top 8 bits of 16.
+        arr = (np.clip(arr.astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
+        return np.repeat(arr[:, :, None], 3, axis=2)
+    if mode == "F":
+        arr = np.asarray(img, dtype=np.float32)
+        arr = np.clip(np.nan_to_num(arr), 0, 255).astype(np.uint8)
+        return np.repeat(arr[:, :, None], 3, axis=2)
+    if mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode != "RGB":
+        # RGBA/LA drop alpha (RGB values kept), L/1/P/CMYK/YCbCr convert.
+        img = img.convert("RGB")
+    return np.asarray(img)
+
+
+def geometry_size(pre: Preprocess, default_resize: int, default_crop: tuple[int, int],
+                  h: int, w: int) -> tuple[int, int]:
+    """The model-input size that `apply_geometry` will produce for an HxW image."""
+    resize, crop = _params(pre, default_resize, default_crop)
+    if resize:
+        h, w = _resized(h, w, resize)
+    if crop:
+        h, w = crop
+    return h, w
+
+
+def fixed_input_size(pre: Preprocess, default_crop: tuple[int, int]) -> tuple[int, int] | None:
+    """The input size when it does not depend on the image (a crop is set)."""
+    if pre.mode == "default":
+        return default_crop
+    if pre.mode == "resize_crop" and pre.crop_height:
+        return (pre.crop_height, pre.crop_width)
+    return None
+
+
+def apply_geometry(arr: np.ndarray, pre: Preprocess, default_resize: int,
+                   default_crop: tuple[int, int]) -> torch.Tensor:
+    """HxWx3 uint8 array -> contiguous 3xHxW uint8 tensor after resize and crop."""
+    if not arr.flags.writeable:  # raw pixels wrap the request's bytes
+        arr = arr.copy()
+    t = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
+    resize, crop = _params(pre, default_resize, default_crop)
+    if resize:
+        t = F.resize(t, [resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
+    if crop:
+        t = F.center_crop(t, list(crop))
+    return t.contiguous()
+
+
+def _params(pre: Preprocess, default_resize: int, default_crop: tuple[int, int]):
+    if pre.mode == "default":
+        return default_resize, default_crop
+    if pre.mode == "native":
+        return 0, None
+    crop = (pre.crop_height, pre.crop_width) if pre.crop_height else None
+    return pre.resize, crop
+
+
+def _resized(h: int, w: int, size: int) -> tuple[int, int]:
+    # torchvision's rule for resize([size]): the shorter side becomes `size`.
+    short, long = (w, h) if w <= h else (h, w)
+    new_short, new_long = size, int(size * long / short)
+    return (new_long, new_short) if w <= h else (new_short, new_long)
+
+
+def validate_preprocess(pre: Preprocess, max_side: int) -> None:
+    """Spec-level checks of a Preprocess (raises InvalidArgument)."""
+    if pre.mode not in ("default", "resize_crop", "native"):
+        raise InvalidArgument(f"unknown preprocessing mode {pre.mode!r}")
+    if pre.mode != "resize_crop":
+        if pre.resize or pre.crop_height or pre.crop_width:
+            raise InvalidArgument(
+                f"preprocessing mode {pre.mode} takes no resize or crop: use MODE_RESIZE_CROP"
+            )
+        return
+    if bool(pre.crop_height) != bool(pre.crop_width):
+        raise InvalidArgument(
+            "crop_height and crop_width must be set together "
+            f"(got {pre.crop_height}x{pre.crop_width})"
+        )
+    if not pre.resize and not pre.crop_height:
+        raise InvalidArgument(
+            "MODE_RESIZE_CROP needs a resize or a crop; use MODE_NATIVE for neither"
+        )
+    for name, v in (("resize", pre.resize), ("crop_height", pre.crop_height),
+                    ("crop_width", pre.crop_width)):
+        if v > max_side:
+            raise InvalidArgument(f"{name}={v} is over the limit of {max_side} pixels")

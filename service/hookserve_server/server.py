@@ -1,0 +1,153 @@
+"""Building and running the gRPC server: health, reflection, auth, TLS, drain."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from hookserve.v1 import hookserve_pb2 as pb
+from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
+
+from .engine import Engine
+from .servicer import Servicer
+
+log = logging.getLogger("hookserve.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["FeatureExtractor"].full_name
+#: Methods that stay open without a token, so orchestrators can probe.
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+@dataclass
+class ServerOptions:
+    host: str = "[::]"
+    port: int = 50051
+    max_streams: int = 128
+    max_receive_message_bytes: int = 64 << 20
+    max_send_message_bytes: int = 16 << 20
+    chunk_bytes: int = 2 << 20
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    tls_client_ca: bytes | None = None
+    auth_token: str | None = None
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on every call but health checks."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith(OPEN_PREFIXES):
+            return continuation(details)
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(got.encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        msg = ("missing bearer token: send metadata 'authorization: Bearer <token>' "
+               "(the SDK reads HOOKSERVE_TOKEN)") if not got else "invalid bearer token"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+        # Answer with a handler of the same shape as the real one.
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                deny, handler.request_deserializer, handler.response_serializer)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                deny, handler.request_deserializer, handler.response_serializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            deny, handler.request_deserializer, handler.response_serializer)
+
+
+class HookServer:
+    """A running hookserve gRPC server. Create with :func:`create_server`."""
+
+    def __init__(self, engine: Engine, opts: ServerOptions) -> None:
+        self.engine = engine
+        self.opts = opts
+        self.servicer = Servicer(engine, chunk_bytes=opts.chunk_bytes)
+        interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []
+        # Streams hold a thread each; unary calls need a few more.
+        self._pool = futures.ThreadPoolExecutor(max_workers=opts.max_streams + 8,
+                                                thread_name_prefix="hookserve-grpc")
+        self.grpc = grpc.server(
+            self._pool,
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=opts.max_streams,
+            options=[
+                ("grpc.max_receive_message_length", opts.max_receive_message_bytes),
+                ("grpc.max_send_message_length", opts.max_send_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_FeatureExtractorServicer_to_server(self.servicer, self.grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{opts.host}:{opts.port}"
+        if opts.tls_cert:
+            creds = grpc.ssl_server_credentials(
+                [(opts.tls_key, opts.tls_cert)], root_certificates=opts.tls_client_ca,
+                require_client_auth=opts.tls_client_ca is not None)
+            self.port = self.grpc.add_secure_port(address, creds)
+        else:
+            self.port = self.grpc.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"could not bind {address}")
+        self._stopped = threading.Event()
+
+    def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self, *, warmup: bool = True) -> HookServer:
+        """Start workers and the server; SERVING only after warm-up."""
+        self.engine.start()
+        self.grpc.start()
+        if warmup:
+            self.engine.warmup()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Drain: NOT_SERVING, refuse new calls, finish in-flight images, then stop.
+
+        Returns within about `grace` seconds.
+        """
+        if self._stopped.is_set():
+            return
+        end = time.monotonic() + grace
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.servicer.start_drain()
+        idle = self.servicer.wait_idle(max(0.0, end - time.monotonic()))
+        if not idle:
+            log.warning("grace period over with streams still open: cancelling them")
+        self.grpc.stop(max(0.0, end - time.monotonic())).wait()
+        self.engine.close(timeout=max(1.0, end - time.monotonic()))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stopped.set()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def create_server(engine: Engine, opts: ServerOptions | None = None) -> HookServer:
+    """Build a server (not started). `opts.port = 0` binds a free port: see `.port`."""
+    return HookServer(engine, opts or ServerOptions())

@@ -1,0 +1,209 @@
+"""The gRPC servicer: a thin adapter between protobuf and the engine.
+
+Protobuf in -> domain objects -> Engine -> domain results -> protobuf out. Errors
+are raised as domain errors and mapped to statuses by :mod:`.status`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+from google.rpc import status_pb2
+from hookserve.v1 import hookserve_pb2 as pb
+from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
+
+from .engine import Engine, ImageResult
+from .errors import Unavailable
+from .models import LayerInfo, ServedModel
+from .spec import ExtractionSpec, ImageInput, LayerSpec, Preprocess
+from .status import mapped, status_proto
+
+log = logging.getLogger("hookserve.calls")
+
+_REDUCTION = {pb.REDUCTION_UNSPECIFIED: "none", pb.REDUCTION_NONE: "none",
+              pb.REDUCTION_AVG_POOL: "avg", pb.REDUCTION_MAX_POOL: "max",
+              pb.REDUCTION_FLATTEN: "flatten"}
+_DTYPE = {pb.DTYPE_UNSPECIFIED: "float32", pb.DTYPE_FLOAT32: "float32",
+          pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16"}
+_WIRE_DTYPE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
+               "bfloat16": pb.DTYPE_BFLOAT16}
+_MODE = {pb.Preprocessing.MODE_UNSPECIFIED: "default", pb.Preprocessing.MODE_DEFAULT: "default",
+         pb.Preprocessing.MODE_RESIZE_CROP: "resize_crop", pb.Preprocessing.MODE_NATIVE: "native"}
+_TORCH_TO_WIRE = {torch.float32: pb.DTYPE_FLOAT32, torch.float16: pb.DTYPE_FLOAT16,
+                  torch.bfloat16: pb.DTYPE_BFLOAT16}
+
+_OK = status_pb2.Status(code=0)
+
+if sys.byteorder != "little":  # the wire format is little-endian; we send memory as is
+    raise ImportError("hookserve's server supports little-endian hosts only")
+
+
+def to_spec(msg: pb.ExtractionSpec) -> ExtractionSpec:
+    layers = tuple(
+        LayerSpec(name=lr.name,
+                  reduction=_REDUCTION.get(lr.reduction, f"<unknown enum {lr.reduction}>"),
+                  dtype=_DTYPE.get(lr.dtype, f"<unknown enum {lr.dtype}>"),
+                  l2_normalize=lr.l2_normalize)
+        for lr in msg.layers)
+    p = msg.preprocessing
+    pre = Preprocess(mode=_MODE.get(p.mode, f"<unknown enum {p.mode}>"), resize=p.resize,
+                     crop_height=p.crop_height, crop_width=p.crop_width)
+    return ExtractionSpec(model=msg.model, layers=layers, preprocessing=pre)
+
+
+def to_image(msg: pb.Image) -> ImageInput:
+    which = msg.WhichOneof("data")
+    if which == "raw":
+        return ImageInput(msg.id, raw=msg.raw.pixels, height=msg.raw.height,
+                          width=msg.raw.width)
+    return ImageInput(msg.id, encoded=msg.encoded)
+
+
+def _requests(request_iterator) -> Iterator[ExtractionSpec | ImageInput]:
+    for req in request_iterator:
+        if req.WhichOneof("payload") == "spec":
+            yield to_spec(req.spec)
+        else:  # an image, or an empty message: an empty image gets its own error
+            yield to_image(req.image)
+
+
+def model_info(m: ServedModel) -> pb.ModelInfo:
+    d = m.defaults
+    w = m.weights
+    return pb.ModelInfo(
+        name=m.name, architecture=m.arch, device=str(m.device), dtype=_WIRE_DTYPE[m.dtype],
+        weights=pb.WeightsInfo(source=w.source, name=w.name, digest=w.digest,
+                               pretrained=w.pretrained, verified=w.verified),
+        preprocessing=pb.PreprocessingInfo(
+            resize=d.resize, crop_height=d.crop[0], crop_width=d.crop[1], mean=d.mean,
+            std=d.std, interpolation=d.interpolation))
+
+
+def layer_info(li: LayerInfo) -> pb.LayerInfo:
+    return pb.LayerInfo(name=li.name, module=li.module, type=li.type, output_shape=li.shape,
+                        dtype=_WIRE_DTYPE.get(li.dtype, pb.DTYPE_FLOAT32),
+                        bytes_per_image=li.bytes_per_image, order=li.order)
+
+
+class Servicer(pb_grpc.FeatureExtractorServicer):
+    """hookserve.v1.FeatureExtractor over an Engine."""
+
+    def __init__(self, engine: Engine, *, chunk_bytes: int = 2 << 20) -> None:
+        self.engine = engine
+        self.chunk_bytes = chunk_bytes
+        self.telemetry = engine.telemetry
+        self._draining = False
+        self._active = 0
+        self._cond = threading.Condition()
+
+    # -- lifecycle, used by the server's shutdown ---------------------------------------
+    def start_drain(self) -> None:
+        """New calls get UNAVAILABLE; open streams stop taking new images."""
+        with self._cond:
+            self._draining = True
+        self.engine.start_drain()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no Extract call is running; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._active == 0, timeout)
+
+    def _enter(self) -> None:
+        with self._cond:
+            if self._draining:
+                raise Unavailable("server is shutting down: retry on another replica")
+            self._active += 1
+
+    def _exit(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    # -- RPCs ----------------------------------------------------------------------------
+    @mapped
+    def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[model_info(m) for m in self.engine.models.values()])
+
+    @mapped
+    def DescribeModel(self, request, context):
+        m, (h, w), layers = self.engine.describe(request.model, request.input_height,
+                                                 request.input_width)
+        return pb.DescribeModelResponse(model=model_info(m), input_height=h, input_width=w,
+                                        layers=[layer_info(li) for li in layers])
+
+    @mapped
+    def Extract(self, request_iterator, context):
+        self._enter()
+        t0 = time.monotonic()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        session = self.engine.session(deadline)
+        context.add_callback(session.cancel)
+        stats = {"images": 0, "failed": 0, "bytes": 0, "model": "", "layers": []}
+        code = "OK"
+        try:
+            requests = _requests(request_iterator)
+            for result in session.run(_observe_spec(requests, stats, self.engine)):
+                yield from self._encode(result, stats)
+        except GeneratorExit:  # the client went away mid-stream
+            code = "CANCELLED"
+            raise
+        except Exception as exc:
+            code = getattr(exc, "code", "INTERNAL")
+            raise
+        finally:
+            self._exit()
+            self.telemetry.call_done("Extract", stats["model"], code)
+            log.info(json.dumps({
+                "event": "call", "method": "Extract", "peer": context.peer(),
+                "model": stats["model"], "layers": stats["layers"],
+                "images": stats["images"], "failed": stats["failed"],
+                "bytes": stats["bytes"], "seconds": round(time.monotonic() - t0, 4),
+                "code": code}))
+
+    def _encode(self, result: ImageResult, stats: dict) -> Iterator[pb.ExtractResponse]:
+        stats["images"] += 1
+        model = stats["model"]
+        if result.error is not None:
+            stats["failed"] += 1
+            self.telemetry.image_done(model, result.error.code)
+            yield pb.ExtractResponse(image_id=result.id, image_index=result.index,
+                                     status=status_proto(result.error))
+            return
+        t0 = time.perf_counter()
+        chunk = self.chunk_bytes
+        nbytes = 0
+        for name, t in result.tensors or ():
+            dtype = _TORCH_TO_WIRE[t.dtype]
+            shape = tuple(t.shape)
+            # A zero-copy byte view of the (contiguous, CPU) tensor.
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            total = len(view)
+            nbytes += total
+            for off in range(0, max(total, 1), chunk):
+                yield pb.ExtractResponse(
+                    image_id=result.id, image_index=result.index,
+                    tensor=pb.TensorChunk(layer=name, dtype=dtype, shape=shape,
+                                          total_bytes=total, offset=off,
+                                          data=view[off:off + chunk].tobytes()))
+        stats["bytes"] += nbytes
+        self.telemetry.serialize_seconds(time.perf_counter() - t0)
+        self.telemetry.bytes_sent(model, nbytes)
+        self.telemetry.image_done(model, "OK")
+        yield pb.ExtractResponse(image_id=result.id, image_index=result.index,
+                                 status=_OK)
+
+
+def _observe_spec(requests, stats: dict, engine: Engine):
+    """Pass requests through, noting the latest spec's model and layers for logs/metrics."""
+    for req in requests:
+        if isinstance(req, ExtractionSpec):
+            stats["model"] = req.model or engine.default_model
+            stats["layers"] = [layer.name for layer in req.layers]
+        yield req
