@@ -1,0 +1,191 @@
+"""The `hookserve` command: serve, describe, models, extract, health, batch."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_SERVER = os.environ.get("HOOKSERVE_SERVER", "localhost:50051")
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=DEFAULT_SERVER,
+                   help="host:port, grpcs://host:port, dns:///name:port, or several "
+                        "comma-separated (default: %(default)s; env HOOKSERVE_SERVER)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+    p.add_argument("--ca", help="PEM CA file to trust (TLS)")
+    p.add_argument("--cert", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--key", help="PEM client key (mutual TLS)")
+    p.add_argument("--token-file",
+                   help="file with a bearer token (default: env HOOKSERVE_TOKEN)")
+
+
+def _client(args):
+    from .client import Client
+
+    token = None
+    if getattr(args, "token_file", None):
+        with open(args.token_file) as fh:
+            token = fh.read().strip()
+    servers = args.server if isinstance(args.server, list) else [args.server]
+    return Client(servers, timeout=args.timeout, token=token, root_certificates=args.ca,
+                  certificate_chain=args.cert, private_key=args.key)
+
+
+def _serve(args) -> int:
+    try:
+        from hookserve_server.app import serve
+    except ImportError as exc:
+        print(f"hookserve serve needs the server extra ({exc.name or exc} is missing):\n"
+              "    pip install 'hookserve[server]'", file=sys.stderr)
+        return 2
+    return serve(args)
+
+
+def _describe(args) -> int:
+    size = None
+    if args.size:
+        h, _, w = args.size.partition("x")
+        size = (int(h), int(w or h))
+    with _client(args) as c:
+        d = c.describe(args.model, size)
+    m = d.model
+    print(f"model {m.name} ({m.architecture}) on {m.device}, {m.dtype}; weights: "
+          f"{m.weights_source} {m.weights_name} {m.weights_digest[:19]}"
+          + ("" if m.pretrained else "  [RANDOM: not for real use]"))
+    print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}")
+    print(f"input {d.input_size[0]}x{d.input_size[1]}: {len(d.layers)} layers\n")
+    w = max(len(li.name) for li in d.layers)
+    t = max(len(li.type) for li in d.layers)
+    print(f"{'layer':<{w}}  {'type':<{t}}  {'output shape':<18} {'MB/image':>9}")
+    for li in d.layers:
+        shape = "x".join(map(str, li.shape))
+        print(f"{li.name:<{w}}  {li.type:<{t}}  {shape:<18} {li.bytes_per_image / 1e6:>9.3f}")
+    return 0
+
+
+def _models(args) -> int:
+    with _client(args) as c:
+        for i, m in enumerate(c.list_models()):
+            flag = " (default)" if i == 0 else ""
+            print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, weights "
+                  f"{m.weights_source} {m.weights_name} {m.weights_digest[:19]}")
+    return 0
+
+
+def _extract(args) -> int:
+    import numpy as np
+
+    layers = [x for s in args.layers for x in s.split(",") if x]
+    crop = None
+    if args.crop:
+        h, _, w = args.crop.partition("x")
+        crop = (int(h), int(w or h))
+    out: dict[str, np.ndarray] = {}
+    failed = 0
+    with _client(args) as c:
+        for r in c.extract_many(args.images, layers, model=args.model,
+                                reduction=args.reduction, dtype=args.dtype,
+                                l2_normalize=args.l2_normalize, native=args.native,
+                                resize=args.resize, crop=crop):
+            if r.error is not None:
+                failed += 1
+                print(f"{r.id}: {r.error}", file=sys.stderr)
+                continue
+            for layer, arr in r.features.items():
+                key = f"{r.id}:{layer}" if len(args.images) > 1 else layer
+                out[key] = arr
+                print(f"{r.id}  {layer}  {arr.dtype}  {tuple(arr.shape)}")
+    if args.out:
+        np.savez(args.out, **out)
+        print(f"wrote {len(out)} arrays to {args.out}")
+    return 1 if failed else 0
+
+
+def _health(args) -> int:
+    from .errors import HookserveError
+
+    with _client(args) as c:
+        try:
+            status = c.health(args.service)
+        except HookserveError as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hookserve",
+        description="Remote feature extraction from torchvision CNNs over gRPC.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the server (needs the server extra)",
+                       description="Serve VGG/ResNet models over gRPC. Every flag has a "
+                                   "HOOKSERVE_* environment equivalent.")
+    from hookserve_server.config import add_serve_arguments
+    add_serve_arguments(s)
+    s.set_defaults(func=_serve)
+
+    s = sub.add_parser("describe", help="print a model's layers with output shapes",
+                       description="List every hookable layer: name, module type, output "
+                                   "shape and MB per image at an input size.")
+    s.add_argument("model", nargs="?", help="model name (default: the server's default)")
+    s.add_argument("--size", help="input HxW (or one number) after preprocessing; "
+                                  "default: the model's crop size")
+    _client_args(s)
+    s.set_defaults(func=_describe)
+
+    s = sub.add_parser("models", help="list the models a server holds")
+    _client_args(s)
+    s.set_defaults(func=_models)
+
+    s = sub.add_parser("extract", help="extract features of a few images to .npz",
+                       description="Extract layers of a handful of images. For folders of "
+                                   "many images use `hookserve batch`.")
+    s.add_argument("images", nargs="+", help="image files")
+    s.add_argument("--layers", action="append", required=True,
+                   help="layer names, comma-separated or repeated")
+    s.add_argument("--model", help="model name (default: the server's default)")
+    s.add_argument("--reduction", default="none", choices=["none", "avg", "max", "flatten"])
+    s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    s.add_argument("--l2-normalize", action="store_true")
+    s.add_argument("--native", action="store_true",
+                   help="no resize or crop: features at the image's own resolution")
+    s.add_argument("--resize", type=int, help="resize the shorter side to this")
+    s.add_argument("--crop", help="centre crop HxW (or one number)")
+    s.add_argument("--out", help="write arrays to this .npz (keys: layer, or id:layer)")
+    _client_args(s)
+    s.set_defaults(func=_extract)
+
+    s = sub.add_parser("health", help="ask the gRPC health service; exit 0 when SERVING",
+                       description="Exit 0 when the server reports SERVING, 1 otherwise. "
+                                   "Used by the container's HEALTHCHECK.")
+    s.add_argument("--service", default="", help="service name ('' = the whole server)")
+    _client_args(s)
+    s.set_defaults(func=_health)
+
+    try:
+        from .batch import add_batch_parser
+    except ImportError:  # pragma: no cover - batch is part of the package
+        pass
+    else:
+        add_batch_parser(sub, _client_args)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import HookserveError
+
+    try:
+        return args.func(args) or 0
+    except HookserveError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Typed errors of the hookserve SDK. Every error keeps its gRPC status code."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class HookserveError(Exception):
+    """Base class. ``code`` is the :class:`grpc.StatusCode`; ``message`` the server's text."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, *,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        #: Set on overload errors: the server's hint of when to retry.
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+class InvalidArgument(HookserveError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(HookserveError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(HookserveError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(HookserveError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(HookserveError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(HookserveError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class Unauthenticated(HookserveError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(HookserveError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(HookserveError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Internal(HookserveError):
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE = {cls.code: cls for cls in (
+    InvalidArgument, NotFound, ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled,
+    Unauthenticated, PermissionDenied, FailedPrecondition, Internal)}
+_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def error_for(code: grpc.StatusCode | int, message: str, *,
+              retry_after_s: float | None = None) -> HookserveError:
+    """The typed error for a status code (a grpc.StatusCode or its integer value)."""
+    if isinstance(code, int):
+        code = _BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
+    cls = _BY_CODE.get(code, HookserveError)
+    return cls(message, code, retry_after_s=retry_after_s)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
+    """Convert a grpc.RpcError raised by a call into the typed error."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    retry = None
+    for key, value in (exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else ():
+        if key == "retry-after-ms":
+            try:
+                retry = int(value) / 1000.0
+            except ValueError:
+                pass
+    return error_for(code, details or "", retry_after_s=retry)

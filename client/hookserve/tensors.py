@@ -1,0 +1,72 @@
+"""Tensor wire format: dtype mapping and chunk reassembly (no torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .v1 import hookserve_pb2 as pb
+
+#: Wire dtype -> numpy dtype. bfloat16 has no numpy dtype: it arrives as uint16
+#: bit patterns (see :func:`bfloat16_to_float32`).
+NUMPY_DTYPES = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT16: np.dtype("<f2"),
+    pb.DTYPE_BFLOAT16: np.dtype("<u2"),
+}
+DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
+               "bfloat16": pb.DTYPE_BFLOAT16}
+
+
+def bfloat16_to_float32(a: np.ndarray) -> np.ndarray:
+    """Widen bfloat16 bit patterns (uint16) to float32 exactly."""
+    return (a.astype(np.uint32) << 16).view(np.float32)
+
+
+class TensorAssembler:
+    """Collects the chunks of one tensor into one buffer, copying each chunk once.
+
+    A tensor that arrives in a single chunk is wrapped without any copy.
+    """
+
+    __slots__ = ("layer", "dtype", "shape", "total", "_buf", "_single", "_got")
+
+    def __init__(self, chunk: pb.TensorChunk) -> None:
+        self.layer = chunk.layer
+        if chunk.dtype not in NUMPY_DTYPES:
+            raise ValueError(f"unknown dtype {chunk.dtype} for layer {chunk.layer}")
+        self.dtype = NUMPY_DTYPES[chunk.dtype]
+        self.shape = tuple(chunk.shape)
+        self.total = chunk.total_bytes
+        expected = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        if expected != self.total:
+            raise ValueError(
+                f"layer {self.layer}: shape {self.shape} needs {expected} bytes, "
+                f"header says {self.total}")
+        self._buf: bytearray | None = None
+        self._single: bytes | None = None
+        self._got = 0
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        data = chunk.data
+        end = chunk.offset + len(data)
+        if end > self.total:
+            raise ValueError(f"layer {self.layer}: chunk past the end of the tensor")
+        if chunk.offset == 0 and len(data) == self.total:
+            self._single = data
+        else:
+            if self._buf is None:
+                self._buf = bytearray(self.total)
+            memoryview(self._buf)[chunk.offset:end] = data
+        self._got += len(data)
+
+    @property
+    def complete(self) -> bool:
+        return self._got >= self.total
+
+    def array(self) -> np.ndarray:
+        if self._got != self.total:
+            raise ValueError(
+                f"layer {self.layer}: got {self._got} of {self.total} bytes")
+        src = self._single if self._single is not None else (self._buf or bytearray())
+        arr = np.frombuffer(src, dtype=self.dtype).reshape(self.shape)
+        return arr
