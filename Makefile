@@ -1,0 +1,35 @@
+# hookserve: `make serve` runs the service, `make test` runs the tests.
+# Both create .venv and install the package with its server and dev extras first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+# torch/torchvision from the local wheel cache on the dev machines; any pip mirror elsewhere.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[server,dev]'
+	touch $(STAMP)
+
+.PHONY: setup serve test test-slow lint proto bench bench-quick docker-smoke clean
+
+setup: $(STAMP)  ## create .venv and install everything
+
+serve: $(STAMP)  ## serve resnet50, device and weights auto, on :50051
+	$(VENV)/bin/hookserve serve --model resnet50 --device auto --weights auto $(ARGS)
+
+test: $(STAMP)  ## the fast suite (what CI runs)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)  ## soak and property-based tests
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check client service tests bench tools
+
+proto: $(STAMP)  ## regenerate client/hookserve/v1 from proto/
+	$(PY) tools/gen_proto.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info client/*.egg-info
