@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[server,dev]'
+	$(PY) -m pip install -q -e '.[server,batch,dev]'
 	touch $(STAMP)
 
 .PHONY: setup serve test test-slow lint proto bench bench-quick docker-smoke clean
@@ -30,6 +30,15 @@ lint: $(STAMP)
 
 proto: $(STAMP)  ## regenerate client/hookserve/v1 from proto/
 	$(PY) tools/gen_proto.py
+
+bench: $(STAMP)  ## full benchmark table (writes bench/results/*.json)
+	$(PY) bench/run.py
+
+bench-quick: $(STAMP)  ## a faster, smaller benchmark run
+	$(PY) bench/run.py --quick
+
+docker-smoke:  ## build the image, run it, extract through it, SIGTERM it
+	bash scripts/docker_smoke.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info client/*.egg-info
