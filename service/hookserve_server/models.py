@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ ARCHITECTURES: tuple[str, ...] = (
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 WEIGHT_CHOICES = ("auto", "imagenet", "random")
+#: Seconds without progress before a weights download is given up.
+DOWNLOAD_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         log.info("downloading %s weights %s to %s", arch, weights.url, path)
+        old = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # a firewalled network must not hang start-up
         try:
             torch.hub.download_url_to_file(weights.url, str(path), progress=False)
         except Exception as exc:
@@ -152,6 +157,8 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
                 f"{os.path.basename(weights.url)} there (or set TORCH_HOME), or pass "
                 "--weights PATH to a state_dict file."
             ) from None
+        finally:
+            socket.setdefaulttimeout(old)
     # torchvision names files <arch>-<first sha256 hex digits>.pth
     stem = path.stem
     prefix = stem.rsplit("-", 1)[-1] if "-" in stem else ""
