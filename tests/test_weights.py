@@ -1,0 +1,121 @@
+"""Weights: a state_dict file, torchvision's cache under TORCH_HOME, auto, random.
+
+No download is possible here, so the ImageNet path is exercised with a file the
+test writes where torchvision would cache it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from conftest import rand_image
+
+from hookserve_server.errors import ConfigError
+from hookserve_server.models import build_model, imagenet_cache_path, state_dict_digest
+
+
+def _save_seeded(path, arch="resnet18", seed=123):
+    torch.manual_seed(seed)
+    m = torchvision.models.get_model(arch, weights=None)
+    torch.save(m.state_dict(), path)
+    return m.eval()
+
+
+def test_state_dict_file_is_loaded_and_reported(make_server, tmp_path):
+    path = tmp_path / "mine.pth"
+    ref = _save_seeded(path)
+    s = make_server("--model", "resnet18", "--weights", str(path))
+    img = rand_image(64, 64, seed=5)
+    with s.client() as c:
+        m = c.list_models()[0]
+        got = c.extract(img, ["fc"], resize=64, crop=64)["fc"]
+    assert m.weights_source == "file" and m.weights_name == "mine.pth" and m.pretrained
+    assert m.weights_digest == state_dict_digest(ref.state_dict())
+    x = torch.from_numpy(img.copy()).permute(2, 0, 1)[None].float() / 255
+    x = (x - torch.tensor(m.mean).view(1, 3, 1, 1)) / torch.tensor(m.std).view(1, 3, 1, 1)
+    with torch.no_grad():
+        want = ref(x)[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_per_model_weights_and_dataparallel_prefix(make_server, tmp_path):
+    path = tmp_path / "dp.pth"
+    ref = _save_seeded(path, "vgg11", seed=7)
+    sd = {f"module.{k}": v for k, v in ref.state_dict().items()}  # saved from DataParallel
+    torch.save(sd, path)
+    s = make_server("--model", "resnet18", "--model", "vgg11", "--weights", "random",
+                    "--weights", f"vgg11={path}")
+    with s.client() as c:
+        by_name = {m.name: m for m in c.list_models()}
+    assert by_name["resnet18"].weights_source == "random"
+    assert by_name["vgg11"].weights_source == "file"
+    assert by_name["vgg11"].weights_digest == state_dict_digest(ref.state_dict())
+
+
+def test_imagenet_weights_from_torch_home_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    path = imagenet_cache_path("resnet18")
+    assert path == tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    path.parent.mkdir(parents=True)
+    ref = _save_seeded(path, seed=11)
+    model, info = build_model("resnet18", "imagenet")
+    assert info.source == "imagenet" and info.pretrained
+    assert info.name == "ResNet18_Weights.IMAGENET1K_V1"
+    assert not info.verified  # our file is not torchvision's published one
+    assert info.digest == state_dict_digest(ref.state_dict())
+    # auto prefers the cached ImageNet weights too
+    _, auto = build_model("resnet18", "auto")
+    assert auto.source == "imagenet" and auto.digest == info.digest
+
+
+def test_auto_falls_back_to_random_loudly_when_offline(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # empty cache
+    for var in ("https_proxy", "HTTPS_PROXY"):  # and no network, even on a machine with one
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    _, info = build_model("resnet18", "auto", seed=3)
+    assert info.source == "random" and info.name == "seed=3" and not info.pretrained
+    assert "NO PRETRAINED WEIGHTS" in caplog.text
+    with pytest.raises(ConfigError, match="not cached at .* could not be downloaded"):
+        build_model("resnet18", "imagenet")
+
+
+def test_random_is_seeded():
+    _, a = build_model("resnet18", "random", seed=1)
+    _, b = build_model("resnet18", "random", seed=1)
+    _, c = build_model("resnet18", "random", seed=2)
+    assert a.digest == b.digest != c.digest
+
+
+@pytest.mark.parametrize("content,match", [
+    ("missing", "does not exist"),
+    ("vgg", "does not match architecture resnet18: .*missing keys"),
+    ("garbage", "could not load .* weights_only=True"),
+    ("module", "could not load .* weights_only=True"),
+])
+def test_bad_weights_file_is_a_clear_startup_error(tmp_path, content, match):
+    path = tmp_path / "w.pth"
+    if content == "vgg":
+        torch.save(torchvision.models.vgg11().state_dict(), path)
+    elif content == "garbage":
+        path.write_bytes(b"\x00not a checkpoint")
+    elif content == "module":  # a whole pickled model: refused by weights_only=True
+        torch.save(torchvision.models.resnet18(), path)
+    with pytest.raises(ConfigError, match=match):
+        build_model("resnet18", str(path))
+
+
+def test_serve_reports_bad_weights_without_traceback(tmp_path):
+    path = tmp_path / "bad.pth"
+    torch.save(torchvision.models.vgg11().state_dict(), path)
+    r = subprocess.run(
+        [sys.executable, "-m", "hookserve.cli", "serve", "--model", "resnet18", "--weights",
+         str(path), "--device", "cpu", "--port", "0", "--host", "127.0.0.1"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "does not match architecture resnet18" in r.stderr
+    assert "Traceback" not in r.stderr
