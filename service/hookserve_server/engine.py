@@ -542,8 +542,11 @@ class Engine:
         for m in self.models.values():
             last = list(m.layer_table(*m.defaults.crop))[-1]
             h, w = m.defaults.crop
-            spec = ExtractionSpec(m.name, (LayerSpec(last),))
-            img = ImageInput("warmup", raw=bytes(h * w * 3), height=h, width=w)
+            # A 1x1 image resized and cropped to the default input size: the forward
+            # pass is the usual one, and no --max-image-pixels setting can refuse it.
+            pre = pp.Preprocess("resize_crop", resize=max(h, w), crop_height=h, crop_width=w)
+            spec = ExtractionSpec(m.name, (LayerSpec(last),), pre)
+            img = ImageInput("warmup", raw=bytes(3), height=1, width=1)
             for r in Session(self).run([spec, img]):
                 if r.error:
                     raise r.error

@@ -27,7 +27,8 @@ ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "TIFF", "GIF"}
 
 
 def _mpx(n: int) -> str:
-    return f"{n / 1e6:.1f} Mpx"
+    # Exact count: a rounded "0.0 Mpx" would hide what the limit is.
+    return f"{n:,} pixels ({n / 1e6:.1f} Mpx)"
 
 
 def decode(image: ImageInput, max_pixels: int) -> np.ndarray:

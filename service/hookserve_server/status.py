@@ -34,9 +34,24 @@ def as_domain(exc: BaseException) -> HookserveError:
     return InternalError("internal server error; the server log has the details")
 
 
+#: Longest status message sent. A call's message travels in the grpc-message trailer,
+#: percent-encoded (up to 12 bytes per character), and trailers over gRPC's 16 KiB hard
+#: limit turn the answer into a transport error; messages echo client-sent names.
+MAX_MESSAGE_CHARS = 600
+
+
+def short_message(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message` cut in the middle to at most `limit` characters (head and tail kept)."""
+    if len(message) <= limit:
+        return message
+    cut = f" ...[message shortened from {len(message)} characters]... "
+    head = (limit - len(cut)) // 2
+    return message[:head] + cut + message[len(message) - (limit - len(cut) - head):]
+
+
 def status_proto(err: HookserveError) -> status_pb2.Status:
     """A google.rpc.Status for one image, with RetryInfo when there is a retry hint."""
-    st = status_pb2.Status(code=grpc_code(err).value[0], message=err.message)
+    st = status_pb2.Status(code=grpc_code(err).value[0], message=short_message(err.message))
     if err.retry_after_s is not None:
         info = error_details_pb2.RetryInfo(
             retry_delay=duration_pb2.Duration(nanos=int(err.retry_after_s * 1e9) % 10**9,
@@ -52,7 +67,7 @@ def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
     err = as_domain(exc)
     if err.retry_after_s is not None:
         context.set_trailing_metadata((("retry-after-ms", str(int(err.retry_after_s * 1000))),))
-    context.abort(grpc_code(err), err.message)
+    context.abort(grpc_code(err), short_message(err.message))
 
 
 def mapped(method):
