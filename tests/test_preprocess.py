@@ -7,11 +7,10 @@ import io
 import numpy as np
 import pytest
 from conftest import encode, rand_image
-from PIL import Image
-
 from hookserve_server.errors import InvalidArgument
 from hookserve_server.preprocess import decode
 from hookserve_server.spec import ImageInput
+from PIL import Image
 
 LIMIT = 50_000_000
 

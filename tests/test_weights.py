@@ -14,7 +14,6 @@ import pytest
 import torch
 import torchvision
 from conftest import rand_image
-
 from hookserve_server.errors import ConfigError
 from hookserve_server.models import build_model, imagenet_cache_path, state_dict_digest
 

@@ -112,19 +112,30 @@ class HookServer:
         if not self.port:
             raise OSError(f"could not bind {address}")
         self._stopped = threading.Event()
+        self._listening = False
 
     def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
-    def start(self, *, warmup: bool = True) -> HookServer:
-        """Start workers and the server; SERVING only after warm-up."""
+    def listen(self) -> HookServer:
+        """Start the workers and accept connections; health stays NOT_SERVING."""
         self.engine.start()
-        self.grpc.start()
+        if not self._listening:
+            self.grpc.start()
+            self._listening = True
+        return self
+
+    def ready(self, *, warmup: bool = True) -> HookServer:
+        """Warm every model up (one full forward pass each), then report SERVING."""
         if warmup:
             self.engine.warmup()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         return self
+
+    def start(self, *, warmup: bool = True) -> HookServer:
+        """listen() then ready(): SERVING only after the models are warmed up."""
+        return self.listen().ready(warmup=warmup)
 
     def stop(self, grace: float = 30.0) -> None:
         """Drain: NOT_SERVING, refuse new calls, finish in-flight images, then stop.

@@ -1,0 +1,59 @@
+"""Server surface: health state machine, reflection, message limits, port 0."""
+
+from __future__ import annotations
+
+import grpc
+import hookserve
+import pytest
+from conftest import RunningServer, rand_image
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+
+def _health(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def test_health_serving_only_after_warmup_then_not_serving_on_stop():
+    s = RunningServer(["--model", "resnet18", "--weights", "random"], start=False)
+    try:
+        assert s.port > 0  # --port 0 bound a real port before start
+        s.server.listen()
+        assert _health(s.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        s.server.ready()
+        for svc in ("", "hookserve.v1.FeatureExtractor"):
+            assert _health(s.address, svc) == health_pb2.HealthCheckResponse.SERVING
+        with s.client() as c:
+            assert c.health() == "SERVING"
+    finally:
+        s.stop(2)
+    with hookserve.Client(s.address, timeout=2, retries=0) as c:
+        try:
+            status = c.health()
+        except hookserve.Unavailable:
+            status = "gone"
+    assert status in ("NOT_SERVING", "gone")
+
+
+def test_reflection_lists_the_services(server):
+    with grpc.insecure_channel(server.address) as ch:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        services = set(db.get_services())
+        assert {"hookserve.v1.FeatureExtractor", "grpc.health.v1.Health"} <= services
+        fd = db.FindFileContainingSymbol("hookserve.v1.FeatureExtractor")
+        assert fd.package == "hookserve.v1"
+
+
+def test_oversized_request_message_is_refused(make_server):
+    s = make_server("--model", "resnet18", "--weights", "random",
+                    "--max-message-bytes", str(1 << 20))
+    with s.client(retries=0) as c:
+        with pytest.raises(hookserve.ResourceExhausted):
+            c.extract(b"\x89PNG" + bytes(2 << 20), ["layer1"])
+        # the server is fine afterwards
+        assert c.extract(rand_image(32, 32), ["conv1"], native=True)["conv1"].shape == (
+            64, 16, 16)
