@@ -236,20 +236,30 @@ class _DeviceWorker:
             batch = self.queue.next_batch()
             if batch is None:
                 return
-            self.telemetry.queue_depth(str(self.device), len(self.queue))
-            live = []
-            now = time.monotonic()
-            for it in batch:
-                if it.session.cancelled:
-                    self._finish(it, error=Cancelled("the call was cancelled"))
-                elif it.deadline is not None and now > it.deadline:
-                    self._finish(it, error=DeadlineExceeded(
-                        "the call's deadline passed while the image was queued"))
-                else:
-                    self.telemetry.queue_wait_seconds(now - it.enqueued)
-                    live.append(it)
-            if live:
-                self._run(live)
+            try:
+                self._serve_batch(batch)
+            except Exception:  # never let the model's only thread die
+                log.exception("device worker failed on a batch of %d", len(batch))
+                for it in batch:
+                    if not it.future.done():
+                        self._finish(it, error=InternalError(
+                            "internal error while running the model"))
+
+    def _serve_batch(self, batch: list[_WorkItem]) -> None:
+        self.telemetry.queue_depth(str(self.device), len(self.queue))
+        live = []
+        now = time.monotonic()
+        for it in batch:
+            if it.session.cancelled:
+                self._finish(it, error=Cancelled("the call was cancelled"))
+            elif it.deadline is not None and now > it.deadline:
+                self._finish(it, error=DeadlineExceeded(
+                    "the call's deadline passed while the image was queued"))
+            else:
+                self.telemetry.queue_wait_seconds(now - it.enqueued)
+                live.append(it)
+        if live:
+            self._run(live)
 
     def _run(self, items: list[_WorkItem]) -> None:
         try:
