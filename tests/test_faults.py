@@ -1,0 +1,427 @@
+"""Faults cost nothing: cancelled and killed clients, deadlines, slow readers, overload,
+the concurrent-call limit, and SIGTERM during a rolling restart.
+
+Work done by the server is read from its own Prometheus registry (the sum of the
+batch-size histogram = images that went through the model), so "work stopped" is an
+exact count, not a timing.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import hookserve
+import numpy as np
+import pytest
+from conftest import RunningServer, rand_image
+from hookserve.v1 import hookserve_pb2 as pb
+from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
+from hookserve_server.engine import Session
+
+CODE = {c.value[0]: c for c in grpc.StatusCode}
+R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0", "--metrics-port", "0"]
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    """Poll a real condition until it holds; fail after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
+        time.sleep(0.01)
+
+
+def computed(s: RunningServer, model: str = "resnet18") -> int:
+    """Images that went through the model's forward pass on server `s`."""
+    v = s.telemetry.registry.get_sample_value("hookserve_batch_size_sum", {"model": model})
+    return int(v or 0)
+
+
+def answered(s: RunningServer, code: str = "OK", model: str = "resnet18") -> int:
+    v = s.telemetry.registry.get_sample_value("hookserve_images_total",
+                                              {"model": model, "code": code})
+    return int(v or 0)
+
+
+def sessions(s: RunningServer) -> list[Session]:
+    """The Extract sessions of server `s` that anything still references."""
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, Session) and o.engine is s.engine]
+
+
+def spec_req(layer="layer4", reduction=pb.REDUCTION_AVG_POOL, model="", pre=None):
+    return pb.ExtractRequest(spec=pb.ExtractionSpec(
+        model=model, layers=[pb.LayerRequest(name=layer, reduction=reduction)],
+        preprocessing=pre))
+
+
+def raw_req(arr: np.ndarray, image_id: str = "") -> pb.ExtractRequest:
+    h, w = arr.shape[:2]
+    return pb.ExtractRequest(image=pb.Image(id=image_id, raw=pb.RawImage(
+        pixels=arr.tobytes(), height=h, width=w)))
+
+
+class HeldStream:
+    """A raw Extract call whose request side the test feeds (and can leave open)."""
+
+    def __init__(self, address: str, timeout: float | None = 60.0, metadata=()) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        stub = pb_grpc.FeatureExtractorStub(self.channel)
+
+        def gen():
+            while True:
+                item = self.requests.get()
+                if item is None:
+                    return
+                yield item
+
+        self.call = stub.Extract(gen(), timeout=timeout, metadata=metadata)
+
+    def send(self, *reqs: pb.ExtractRequest) -> None:
+        for r in reqs:
+            self.requests.put(r)
+
+    def close_requests(self) -> None:
+        self.requests.put(None)
+
+    def next_status(self) -> tuple[int, grpc.StatusCode]:
+        for r in self.call:
+            if r.WhichOneof("payload") == "status":
+                return r.image_index, CODE[r.status.code]
+        raise AssertionError("stream ended without a status")
+
+    def finish(self) -> tuple[list[grpc.StatusCode], grpc.StatusCode]:
+        """Read to the end: (per-image codes, the call's own code)."""
+        codes = []
+        try:
+            for r in self.call:
+                if r.WhichOneof("payload") == "status":
+                    codes.append(CODE[r.status.code])
+            return codes, grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return codes, exc.code()
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.channel.close()
+
+
+# -- cancel, disconnect, deadline ------------------------------------------------------
+
+
+def test_cancel_mid_stream_drops_queued_work_and_others_dont_notice(make_server):
+    s = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
+    imgs = [rand_image(64, 64, i) for i in range(60)]
+    with s.client(timeout=120) as c:
+        reference = c.extract(imgs[0], "layer4", reduction="avg")["layer4"]
+    base = computed(s)
+    # A well-behaved client streams alongside the one that cancels.
+    other: list = []
+    stream = HeldStream(s.address)
+    stream.send(spec_req(), *[raw_req(a) for a in imgs])
+    with s.client(timeout=120) as c2:
+        t = threading.Thread(target=lambda: other.extend(
+            c2.extract_many([imgs[0]] * 20, "layer4", reduction="avg", max_in_flight=4)))
+        t.start()
+        assert stream.next_status() == (0, grpc.StatusCode.OK)
+        stream.close()                                   # the client cancels
+        t.join(120)
+    assert not t.is_alive()
+    assert len(other) == 20 and all(r.ok for r in other)
+    for r in other:
+        np.testing.assert_allclose(r.features["layer4"], reference, rtol=1e-4, atol=1e-5)
+    wait_until(lambda: s.engine.queued == 0, what="admitted images to be dropped")
+    wait_until(lambda: s.server.servicer._active == 0, what="the cancelled call to end")
+    # Of the 60 cancelled images, most never reached the model.
+    cancelled_work = computed(s) - base - 20
+    assert 1 <= cancelled_work < 30, cancelled_work
+    assert s.engine.hook_count() == 0
+    # Nothing of the cancelled session stays referenced (its futures, its tensors).
+    wait_until(lambda: not sessions(s), 10, "the cancelled session to be freed")
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import sys, grpc, numpy as np
+    from hookserve.v1 import hookserve_pb2 as pb, hookserve_pb2_grpc as pb_grpc
+    ch = grpc.insecure_channel(sys.argv[1])
+    stub = pb_grpc.FeatureExtractorStub(ch)
+    def reqs():
+        yield pb.ExtractRequest(spec=pb.ExtractionSpec(layers=[pb.LayerRequest(
+            name="layer4", reduction=pb.REDUCTION_AVG_POOL)]))
+        for i in range(60):
+            a = np.full((64, 64, 3), i, np.uint8)
+            yield pb.ExtractRequest(image=pb.Image(raw=pb.RawImage(
+                pixels=a.tobytes(), height=64, width=64)))
+        import threading; threading.Event().wait()   # never half-close
+    for r in stub.Extract(reqs()):
+        if r.WhichOneof("payload") == "status":
+            print("answered", flush=True)
+            threading_event = __import__("threading").Event()
+            threading_event.wait()                   # stop reading; wait to be killed
+""")
+
+
+def test_killed_client_process_costs_nothing(make_server):
+    s = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
+    base = computed(s)
+    p = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, s.address],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "answered"
+        wait_until(lambda: s.server.servicer._active == 1, what="the call to be open")
+    finally:
+        p.kill()                                        # SIGKILL: no goodbye on the wire
+        p.wait(30)
+    wait_until(lambda: s.server.servicer._active == 0, what="the server to see the disconnect")
+    wait_until(lambda: s.engine.queued == 0, what="the dead client's images to be dropped")
+    assert computed(s) - base < 30
+    assert s.engine.hook_count() == 0
+    with s.client(timeout=60) as c:
+        assert c.health() == "SERVING"
+        assert c.extract(rand_image(32, 32), "layer4", reduction="avg")["layer4"].shape == (512,)
+
+
+def test_work_for_an_expired_call_is_not_started(make_server):
+    s = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
+    base = computed(s)
+    n = 150
+    stream = HeldStream(s.address, timeout=0.5)
+    stream.send(spec_req(), *[raw_req(rand_image(224, 224, i)) for i in range(n)])
+    stream.close_requests()
+    codes, code = stream.finish()
+    stream.close()
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: s.engine.queued == 0, what="expired images to be dropped")
+    wait_until(lambda: s.server.servicer._active == 0, what="the expired call to end")
+    done = computed(s) - base
+    assert done < n // 2, f"{done} of {n} images computed for an expired call"
+    assert len(codes) <= done
+
+
+def test_sdk_deadline_is_a_typed_error(make_server):
+    s = make_server(*R18)
+    with s.client(timeout=0.001, retries=0) as c:
+        with pytest.raises(hookserve.errors.DeadlineExceeded):
+            c.extract(rand_image(224, 224), "layer4")
+    wait_until(lambda: s.engine.queued == 0, what="the queue to empty")
+    wait_until(lambda: s.server.servicer._active == 0, what="the call to end")
+
+
+# -- slow reader -------------------------------------------------------------------------
+
+
+def test_slow_reader_gets_backpressure_not_unbounded_buffers(make_server):
+    # vgg11 features.0 at 224 is 64x224x224 float32 = 12.8 MB per image; a 40 MB stream
+    # buffer allows 3 answered-but-unsent images.
+    s = make_server("--model", "vgg11", "--weights", "random", "--metrics-port", "0",
+                    "--max-stream-buffer-bytes", str(40 << 20), "--max-batch-size", "2",
+                    "--max-batch-delay-ms", "1")
+    window = (40 << 20) // (64 * 224 * 224 * 4)
+    assert window == 3
+    n = 30
+    base = computed(s, "vgg11")                 # the warm-up image
+    stream = HeldStream(s.address)
+    stream.send(spec_req("features.0", pb.REDUCTION_NONE),
+                *[raw_req(rand_image(224, 224, i)) for i in range(n)])
+    stream.close_requests()
+    # The client reads nothing. The server computes up to its window, then waits.
+    wait_until(lambda: computed(s, "vgg11") - base >= window and s.engine.queued == 0,
+               what="the window to fill")
+    assert computed(s, "vgg11") - base <= window
+    [session] = sessions(s)
+    assert session._inflight <= window
+    # Once the client reads, everything arrives, in order.
+    codes, code = stream.finish()
+    stream.close()
+    assert code == grpc.StatusCode.OK and codes == [grpc.StatusCode.OK] * n
+    assert computed(s, "vgg11") - base == n
+
+
+# -- overload ----------------------------------------------------------------------------
+
+
+def test_100_concurrent_streams_against_a_small_queue(make_server):
+    s = make_server(*R18, "--max-queue", "4", "--queue-wait-ms", "50",
+                    "--max-batch-size", "4", "--max-batch-delay-ms", "1")
+    imgs = [rand_image(64, 64, i) for i in range(3)]
+    opts = dict(layers="layer4", reduction="avg", resize=64, crop=64)
+    with s.client(timeout=120) as c:
+        ref = [c.extract(a, **opts)["layer4"] for a in imgs]
+    results: list[list] = [[] for _ in range(100)]
+    errors: list[BaseException] = []
+
+    def stream(i: int) -> None:
+        try:
+            with s.client(timeout=120) as c:
+                results[i] = list(c.extract_many(imgs, **opts))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors[:3]
+    flat = [r for rs in results for r in rs]
+    assert len(flat) == 300
+    ok = [r for r in flat if r.ok]
+    busy = [r for r in flat if not r.ok]
+    assert ok and busy, (len(ok), len(busy))
+    for r in busy:
+        assert isinstance(r.error, hookserve.errors.ResourceExhausted), r.error
+        assert r.error.retry_after_s == pytest.approx(0.5)
+        assert "--max-queue 4" in r.error.message
+    for r in ok:
+        np.testing.assert_allclose(r.features["layer4"], ref[r.index], rtol=1e-4, atol=1e-5)
+    # Still alive, healthy, and back to an empty queue.
+    wait_until(lambda: s.engine.queued == 0, what="the queue to drain")
+    with s.client(timeout=60) as c:
+        assert c.health() == "SERVING"
+        assert c.extract(imgs[0], **opts)["layer4"].shape == (512,)
+
+
+def test_max_streams_limits_concurrent_calls(make_server):
+    s = make_server(*R18, "--max-streams", "2")
+    held = [HeldStream(s.address) for _ in range(2)]
+    try:
+        for h in held:
+            h.send(spec_req())
+        wait_until(lambda: s.server.servicer._active == 2, what="two open calls")
+        with s.client(timeout=10, retries=0) as c:
+            with pytest.raises(hookserve.errors.ResourceExhausted):
+                c.extract(rand_image(32, 32), "layer4", reduction="avg")
+    finally:
+        for h in held:
+            h.close()
+    wait_until(lambda: s.server.servicer._active == 0, what="the held calls to end")
+    with s.client(timeout=30) as c:
+        assert c.extract(rand_image(32, 32), "layer4", reduction="avg")["layer4"].shape == (512,)
+
+
+# -- SIGTERM during a rolling restart ------------------------------------------------------
+
+
+class ServeProcess:
+    """`hookserve serve` as a real process; its stderr JSON log is pumped to a queue."""
+
+    def __init__(self, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "hookserve.cli", "serve", "--device", "cpu",
+               "--host", "127.0.0.1", "--port", "0", *flags]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.SimpleQueue = queue.SimpleQueue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.port = self._wait_port(120)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def _wait_port(self, timeout: float) -> int:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if "hookserve listening on" in line:
+                msg = json.loads(line)["msg"]
+                return int(msg.split("listening on ")[1].split(" ")[0].rsplit(":", 1)[1])
+        raise AssertionError("server did not start:\n" + "".join(self.log[-20:]))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def test_sigterm_drains_and_the_sdk_moves_the_rest(make_server):
+    grace = 6.0
+    a = ServeProcess("--model", "resnet18", "--weights", "random", "--seed", "0",
+                     "--max-batch-size", "2", "--max-batch-delay-ms", "1",
+                     "--grace-seconds", str(grace))
+    b = make_server(*R18)                        # the replica that stays
+    try:
+        imgs = [rand_image(64, 64, i) for i in range(40)]
+        with b.client(timeout=120) as cb:
+            ref = [r.features["layer4"] for r in cb.extract_many(imgs, "layer4",
+                                                                  reduction="avg")]
+        b_before = answered(b)
+        # A stream that stays open through the drain, without sending images.
+        idle = HeldStream(a.address, timeout=120)
+        idle.send(spec_req())
+        with hookserve.Client([a.address, b.address], timeout=120, max_in_flight=8) as c:
+            c._rr = itertools.count(0)           # pin the first stream to replica A
+            it = c.extract_many(imgs, "layer4", reduction="avg")
+            first = next(it)
+            assert first.ok
+            t0 = time.monotonic()
+            a.proc.send_signal(signal.SIGTERM)
+            with hookserve.Client(a.address, timeout=10, retries=0) as ca:
+                # 1. health goes NOT_SERVING
+                wait_until(lambda: ca.health() == "NOT_SERVING", 10, "NOT_SERVING")
+                # 2. new calls get UNAVAILABLE
+                with pytest.raises(hookserve.errors.Unavailable, match="shutting down"):
+                    ca.extract(imgs[0], "layer4", reduction="avg")
+            # 3. in-flight images finish; the SDK re-sends the rest to B: none lost.
+            rest = list(it)
+        results = [first, *rest]
+        assert [r.index for r in results] == list(range(40))
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+        for r in results:
+            np.testing.assert_allclose(r.features["layer4"], ref[r.index], rtol=1e-4, atol=1e-5)
+        moved = answered(b) - b_before
+        assert 0 < moved < 40, moved            # A answered its admitted images, B the rest
+        # An open stream takes no new image once draining.
+        idle.send(raw_req(imgs[0]))
+        codes, code = idle.finish()
+        assert codes == [] and code == grpc.StatusCode.UNAVAILABLE
+        idle.close()
+        # 4. the process exits 0 within the grace period (plus interpreter teardown).
+        assert a.proc.wait(grace + 10) == 0
+        assert time.monotonic() - t0 < grace + 5
+        log = "".join(a.log)
+        assert "draining" in log and '"stopped"' in log
+    finally:
+        a.kill()
+
+
+def test_sigterm_with_a_stream_that_never_ends_still_exits_within_grace():
+    grace = 3.0
+    a = ServeProcess("--model", "resnet18", "--weights", "random", "--grace-seconds",
+                     str(grace))
+    try:
+        idle = HeldStream(a.address, timeout=120)
+        idle.send(spec_req())
+        with hookserve.Client(a.address, timeout=30) as c:
+            assert c.extract(rand_image(32, 32), "layer4", reduction="avg")
+        t0 = time.monotonic()
+        a.proc.send_signal(signal.SIGTERM)
+        assert a.proc.wait(grace + 15) == 0
+        assert time.monotonic() - t0 < grace + 5
+        _, code = idle.finish()
+        assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        idle.close()
+        assert "grace period over" in "".join(a.log)
+    finally:
+        a.kill()
+
