@@ -275,15 +275,38 @@ def test_kill_9_mid_run_then_resume(fmt, images, server, tmp_path):
 
     # Readable right after the kill, holding a sorted prefix without duplicates.
     reader = read_h5 if fmt == "h5" else read_parquet
-    paths, feats, _, _ = reader(out)
+    paths, feats, _, attrs = reader(out)
     assert 24 <= len(paths) < N_GOOD
     assert paths == good[:len(paths)]
+    if fmt == "h5":
+        assert attrs["hookserve_layout"] == "virtual", "mid-run: virtual file over the parts"
 
     assert batch(*cmd[4:]) == 1
     paths, feats, _, _ = reader(out)
     assert paths == good, "complete, no duplicates, same order as an uninterrupted run"
     with server.client(timeout=60) as c:
         check_against_extract(c, paths, feats, [0, len(paths) // 2, N_GOOD - 1])
+
+
+def test_sigterm_saves_progress_and_exits_130(images, server, tmp_path):
+    root, good = images
+    out = str(tmp_path / "t_npy")
+    cmd = [sys.executable, "-m", "hookserve.cli", "batch", str(root), "--out", out, *LAYERS,
+           *OPTS, "--server", server.address, "--streams", "1", "--max-in-flight", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    index = os.path.join(out, "index.jsonl")
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            os.path.exists(index) and os.path.getsize(index) > 2000):
+        time.sleep(0.01)  # polling a real condition (rows on disk), bounded
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()
+    assert "interrupted" in err.decode() and "run the same command again" in err.decode()
+    paths = read_npy(out)[0]
+    assert 0 < len(paths) < N_GOOD and paths == good[:len(paths)]
+    assert batch(*cmd[4:]) == 1
+    assert read_npy(out)[0] == good
 
 
 def test_overloaded_server_is_retried_not_failed(images, make_server, tmp_path, capsys):

@@ -485,7 +485,11 @@ def _run(args) -> int:
         the_run = _Run(args)
         sched = _Scheduler(work, args.max_in_flight)
         streams = max(1, args.streams)
-        window = max(1, args.max_in_flight // streams)
+        # Half of --max-in-flight goes to the streams' windows; the other half is slack
+        # for answers waiting in the reorder buffer behind a slower image. Without it,
+        # streams would often find no free slot, end, and reopen (a pipeline bubble,
+        # and a new pick of server).
+        window = max(1, args.max_in_flight // (2 * streams))
         threads = [threading.Thread(target=the_run.worker, name=f"hookserve-batch-{i}",
                                     args=(client, sched, layers, opts, window), daemon=True)
                    for i in range(streams)]
@@ -515,7 +519,7 @@ def _run(args) -> int:
                         and the_run.results.empty():
                     break
                 try:
-                    msg = the_run.results.get(timeout=0.5 if stopping else None)
+                    msg = the_run.results.get(timeout=0.5)  # lets signal handlers run
                 except queue.Empty:
                     continue
                 if msg is None:
