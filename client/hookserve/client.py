@@ -266,7 +266,9 @@ class Client:
         self._channels: list[grpc.Channel] = []
         for addr in self.addresses:
             o = list(opts)
-            if addr.startswith("dns:"):
+            # Names that resolve to several addresses (a headless Service via dns:///,
+            # or gRPC's static ipv4:a:p,b:p list) balance per call over all of them.
+            if addr.startswith(("dns:", "ipv4:", "ipv6:")):
                 o.append(("grpc.lb_policy_name", "round_robin"))
             ch = (grpc.secure_channel(addr, creds, options=o) if creds
                   else grpc.insecure_channel(addr, options=o))
@@ -353,8 +355,10 @@ class Client:
         native, resize, crop).
         """
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        result = next(iter(self.extract_many([image], layers, model=model,
-                                             _deadline=deadline, **options)))
+        # Run the stream to its end (not just to the first result): abandoning it would
+        # cancel the call, and the server would log and count a success as CANCELLED.
+        (result,) = self.extract_many([image], layers, model=model, _deadline=deadline,
+                                      **options)
         return result.raise_for_error()
 
     def extract_many(self, images: Iterable[Any], layers: Any, model: str | None = None, *,

@@ -14,7 +14,14 @@ import torch
 
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
-from .models import ARCHITECTURES, WEIGHT_CHOICES, ServedModel, build_model, resolve_device
+from .models import (
+    ARCHITECTURES,
+    WEIGHT_CHOICES,
+    ServedModel,
+    build_model,
+    imagenet_cache_path,
+    resolve_device,
+)
 from .server import ServerOptions, create_server
 
 log = logging.getLogger("hookserve")
@@ -60,6 +67,25 @@ def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
     return out
 
 
+def no_download(weights: dict[str, str]) -> dict[str, str]:
+    """`--no-download`: settle auto/imagenet from the local cache alone, before any
+    code could reach the network (the container image runs this way)."""
+    out = dict(weights)
+    for m, v in weights.items():
+        if v not in ("auto", "imagenet") or imagenet_cache_path(m).is_file():
+            continue
+        if v == "imagenet":
+            raise ConfigError(
+                f"--weights imagenet for {m}: not cached at {imagenet_cache_path(m)} and "
+                "downloads are off (--no-download). Bake them into the image "
+                "(--build-arg WEIGHTS=imagenet), mount a state_dict and pass "
+                "--weights PATH, or mount a $TORCH_HOME that holds them")
+        log.warning("%s: --weights auto with --no-download and no cached ImageNet weights: "
+                    "serving RANDOM weights (features are meaningless for real use)", m)
+        out[m] = "random"
+    return out
+
+
 def _read_token(path: str) -> str:
     try:
         token = Path(path).read_text().strip()
@@ -91,6 +117,8 @@ def build(args: argparse.Namespace):
     if len(set(names)) != len(names):
         raise ConfigError(f"--model lists a model twice: {names}")
     weights = weights_per_model(names, args.weights or [])
+    if not args.download:
+        weights = no_download(weights)
     device = resolve_device(args.device)
     models = []
     for name in names:
@@ -133,8 +161,12 @@ def serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         return 2
     if telemetry is not None:
-        mport = telemetry.serve(args.metrics_port)
-        log.info("metrics on http://0.0.0.0:%d/metrics", mport)
+        # A specific --host (e.g. 127.0.0.1) binds metrics there too; the wildcard stays
+        # 0.0.0.0, since "::" fails where a container has IPv6 switched off.
+        maddr = args.host.strip("[]")
+        maddr = "0.0.0.0" if maddr in ("", "::") else maddr
+        mport = telemetry.serve(args.metrics_port, addr=maddr)
+        log.info("metrics on http://%s:%d/metrics", maddr, mport)
     server.start()
     log.info("hookserve listening on %s:%d (models: %s; health SERVING)", args.host,
              server.port, ", ".join(engine.models))

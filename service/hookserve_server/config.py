@@ -17,6 +17,17 @@ def _env(flag: str) -> str:
     return "HOOKSERVE_" + flag.lstrip("-").upper().replace("-", "_")
 
 
+class _Append(argparse.Action):
+    """`append`, except that the first value given on the command line replaces the
+    default (which may come from the environment) instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        items = [] if current is self.default else list(current)
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
 def _add(p: argparse.ArgumentParser, flag: str, *, default=None, type=str, help: str,
          repeat: bool = False, choices=None, is_bool: bool = False) -> None:
     env = _env(flag)
@@ -31,7 +42,7 @@ def _add(p: argparse.ArgumentParser, flag: str, *, default=None, type=str, help:
     else:
         value = default
     shown = ",".join(map(str, value)) if isinstance(value, list) else value
-    p.add_argument(flag, default=value, type=type, action="append" if repeat else "store",
+    p.add_argument(flag, default=value, type=type, action=_Append if repeat else "store",
                    choices=choices, help=f"{help} (default: {shown}; env {env})")
 
 
@@ -45,6 +56,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="auto | imagenet | random | PATH to a state_dict file, for every model; "
               "or MODEL=SPEC for one model (repeatable). auto = imagenet when cached or "
               "downloadable, else random with a loud warning. Default: auto")
+    _add(g, "--download", default=True, is_bool=True,
+         help="let auto/imagenet download ImageNet weights that are not cached in "
+              "$TORCH_HOME; with --no-download start-up never touches the network "
+              "(imagenet then fails when not cached, auto serves random weights)")
     _add(g, "--seed", default=0, type=int, help="seed for --weights random")
     _add(g, "--device", default="auto",
          help="auto (cuda:0 when CUDA is available, else cpu), cpu, or cuda:N")
