@@ -10,6 +10,7 @@ every forward pass, so the tests see exactly which batches ran.
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +19,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import rand_image
+from conftest import encode, rand_image
 from hookserve.images import to_image
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.models import build_model
+from PIL import Image
 from torchvision.models.feature_extraction import create_feature_extractor
 
 SIDE = 64  # native 64x64 images: cheap forward passes on a 2-core CPU
@@ -97,7 +99,7 @@ def reference(images, layers: list[str]) -> list[dict[str, np.ndarray]]:
     out = []
     with torch.inference_mode():
         for img in images:
-            x = torch.from_numpy(img).permute(2, 0, 1)[None].float().div(255).sub(mean).div(std)
+            x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float().div(255).sub(mean).div(std)
             out.append({k: v[0].numpy() for k, v in fx(x).items()})
     return out
 
@@ -266,3 +268,50 @@ def test_cancelled_stream_drops_its_queued_images_and_breaks_nothing(gated):
     # And the server still serves.
     with srv.client(timeout=120) as c:
         assert c.extract(others[0], ["layer3"], native=True)["layer3"].shape[0] == 256
+
+
+# -- --gpu-decode: no GPU here, so the CPU fallback and the tensor path are tested ------
+def test_gpu_decode_flag_falls_back_to_cpu_decoding(make_server):
+    srv = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
+                      "--gpu-decode")
+    assert srv.engine.config.gpu_decode is True
+    img = rand_image(SIDE, SIDE, 3)
+    with srv.client(timeout=120) as c:
+        got = c.extract(encode(img, "JPEG", quality=95), ["layer2"], native=True)
+        bad = next(iter(c.extract_many([b"\xff\xd8not a jpeg"], ["layer2"], native=True)))
+    # Decoded on the CPU (the model is on the CPU): exactly the PIL-decoded pixels.
+    want = reference([np.asarray(Image.open(io.BytesIO(encode(img, "JPEG", quality=95))))],
+                     ["layer2"])[0]
+    assert_close(got["layer2"], want["layer2"])
+    assert bad.error is not None and bad.error.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_device_jpeg_decode_path_matches_cpu_path():
+    """The --gpu-decode functions, run with device=cpu (the only device here)."""
+    from hookserve_server import preprocess as pp
+    from hookserve_server.engine import decode_jpeg_on_device, geometry_on_tensor
+    from hookserve_server.spec import ImageInput, Preprocess
+
+    cpu = torch.device("cpu")
+    img = rand_image(90, 120, 4)
+    data = encode(img, "JPEG", quality=95)
+    t = decode_jpeg_on_device(ImageInput("a", encoded=data), 10**6, cpu)
+    ref = pp.decode(ImageInput("a", encoded=data), 10**6)
+    assert t is not None and t.dtype == torch.uint8 and tuple(t.shape) == (3, 90, 120)
+    # Same decoder family here (libjpeg); nvjpeg may differ by a few levels.
+    assert np.abs(t.permute(1, 2, 0).numpy().astype(int) - ref.astype(int)).max() <= 2
+    for pre in (Preprocess(), Preprocess("resize_crop", resize=64, crop_height=56,
+                                         crop_width=48)):
+        a = geometry_on_tensor(t, pre, 256, (224, 224))
+        b = pp.apply_geometry(t.permute(1, 2, 0).numpy(), pre, 256, (224, 224))
+        assert a.shape == b.shape and a.dtype == torch.uint8
+        assert (a.int() - b.int()).abs().max() <= 1
+    # What the CPU path must handle returns None: other formats, grayscale, EXIF
+    # (orientation), over the pixel limit.
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "JPEG", exif=exif.tobytes())
+    for other in (encode(img, "PNG"), encode(img[:, :, 0], "JPEG"), buf.getvalue()):
+        assert decode_jpeg_on_device(ImageInput("b", encoded=other), 10**6, cpu) is None
+    assert decode_jpeg_on_device(ImageInput("c", encoded=data), 100, cpu) is None

@@ -138,7 +138,8 @@ def build(args: argparse.Namespace):
         max_inflight_per_stream=args.max_inflight_per_stream,
         max_stream_buffer_bytes=args.max_stream_buffer_bytes,
         max_image_pixels=args.max_image_pixels, max_response_bytes=args.max_response_bytes,
-        max_input_side=args.max_input_side, preprocess_workers=args.preprocess_workers)
+        max_input_side=args.max_input_side, preprocess_workers=args.preprocess_workers,
+        gpu_decode=args.gpu_decode)
     engine = Engine(models, cfg, telemetry)
     opts = ServerOptions(
         host=args.host, port=args.port, max_streams=args.max_streams,

@@ -103,6 +103,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="largest estimated answer for one image (all layers, after reduction)")
     _add(g, "--max-input-side", default=8192, type=int,
          help="largest model input height or width after preprocessing")
+    _add(g, "--gpu-decode", default=False, is_bool=True,
+         help="decode plain RGB JPEGs on the model's CUDA device with torchvision's "
+              "decode_jpeg; other images, CPU models and decoder failures use the CPU")
     _add(g, "--preprocess-workers", default=min(8, os.cpu_count() or 2), type=int,
          help="threads decoding and resizing images")
 

@@ -66,6 +66,8 @@ class EngineConfig:
     max_layers: int = 256
     max_input_side: int = 8192
     preprocess_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))
+    #: Decode plain RGB JPEGs on the model's CUDA device (--gpu-decode); CPU otherwise.
+    gpu_decode: bool = False
 
 
 class Telemetry:
@@ -344,9 +346,12 @@ class _DeviceWorker:
                 return None
             return hook
 
-        x = torch.stack([it.pixels for it in items])
-        if self._cuda:
-            x = x.pin_memory().to(self.device, non_blocking=True)
+        if any(it.pixels.is_cuda for it in items):  # --gpu-decode put some on the device
+            x = torch.stack([it.pixels.to(self.device, non_blocking=True) for it in items])
+        else:
+            x = torch.stack([it.pixels for it in items])
+            if self._cuda:
+                x = x.pin_memory().to(self.device, non_blocking=True)
         x = x.to(torch.float32).div_(255.0).sub_(model.mean).div_(model.std)
         x = x.to(model.torch_dtype)
         if model.channels_last:
@@ -538,6 +543,12 @@ class Engine:
         self._pool = ThreadPoolExecutor(self.config.preprocess_workers,
                                         thread_name_prefix="hookserve-pre")
         self._started = False
+        # --gpu-decode state (counters are advisory: races only delay the switch-off)
+        self._gpu_decode_ok = False
+        self._gpu_decode_off = False
+        self._gpu_decode_failures = 0
+        if self.config.gpu_decode and not any(m.device.type == "cuda" for m in models):
+            log.warning("--gpu-decode has no effect: no model runs on a CUDA device")
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> Engine:
@@ -701,16 +712,26 @@ class Engine:
             if session.cancelled:
                 raise Cancelled("the call was cancelled")
             m = spec.model
-            arr = pp.decode(image, self.config.max_image_pixels)
+            on_device = self._decode_on_device(m, image)
+            if on_device is None:
+                arr = pp.decode(image, self.config.max_image_pixels)
+                ih, iw = arr.shape[0], arr.shape[1]
+            else:
+                ih, iw = on_device.shape[1], on_device.shape[2]
             h, w = pp.geometry_size(spec.preprocess, m.defaults.resize, m.defaults.crop,
-                                    arr.shape[0], arr.shape[1])
+                                    ih, iw)
             side = self.config.max_input_side
             if h > side or w > side:
                 raise InvalidArgument(
                     f"model input would be {h}x{w}, over the limit of {side} pixels a side: "
                     "downscale the image or use a resize")
             _, activation = self._estimate(spec, h, w)
-            pixels = pp.apply_geometry(arr, spec.preprocess, m.defaults.resize, m.defaults.crop)
+            if on_device is None:
+                pixels = pp.apply_geometry(arr, spec.preprocess, m.defaults.resize,
+                                           m.defaults.crop)
+            else:
+                pixels = geometry_on_tensor(on_device, spec.preprocess, m.defaults.resize,
+                                            m.defaults.crop)
             item = _WorkItem(m, pixels, spec.layers, activation, session, fut,
                              session.deadline)
         except Exception as exc:
@@ -724,8 +745,83 @@ class Engine:
         self.telemetry.preprocess_seconds(time.perf_counter() - t0)
         worker.queue.put(item)
 
+    def _decode_on_device(self, m: ServedModel, image: ImageInput) -> torch.Tensor | None:
+        """--gpu-decode: a plain RGB JPEG decoded on the model's CUDA device, else None.
+
+        None means "use the CPU path": other formats, CPU models, the flag off, and any
+        failure of the GPU decoder (the CPU path then decodes the image, or reports
+        it as corrupt with its usual message). After 3 failures and no success the
+        GPU decoder is taken as unavailable (e.g. torchvision built without nvjpeg).
+        """
+        if not self.config.gpu_decode or m.device.type != "cuda" or self._gpu_decode_off:
+            return None
+        try:
+            t = decode_jpeg_on_device(image, self.config.max_image_pixels, m.device)
+        except Exception as exc:
+            self._gpu_decode_failures += 1
+            if self._gpu_decode_failures == 1:
+                log.warning("GPU JPEG decoding failed, decoding on the CPU: %s", exc)
+            if self._gpu_decode_failures >= 3 and not self._gpu_decode_ok:
+                log.warning("--gpu-decode: GPU decoder unavailable; CPU decoding from now on")
+                self._gpu_decode_off = True
+            return None
+        if t is not None:
+            self._gpu_decode_ok = True
+        return t
+
     def session(self, deadline: float | None = None) -> Session:
         return Session(self, deadline)
+
+
+def decode_jpeg_on_device(image: ImageInput, max_pixels: int,
+                          device: torch.device) -> torch.Tensor | None:
+    """Decode a plain RGB JPEG with torchvision on `device`: a 3xHxW uint8 tensor.
+
+    Returns None for anything the CPU path should handle so that both paths mean
+    the same pixels: not a JPEG, not 3-channel (grayscale, CMYK), an EXIF block (the
+    CPU path applies its orientation), over `max_pixels` (the CPU path words the
+    error). Only the header is parsed here (PIL, lazily). Raises if the decoder
+    fails. Decoders differ slightly (nvjpeg vs libjpeg IDCT): pixels may differ
+    by a few levels from the CPU path's.
+    """
+    import io
+
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    data = image.encoded
+    if not data or not data.startswith(b"\xff\xd8"):
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format != "JPEG" or img.mode != "RGB" or "exif" in img.info:
+                return None
+            w, h = img.size
+    except Exception:
+        return None
+    if w * h > max_pixels:
+        return None
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return decode_jpeg(raw, mode=ImageReadMode.RGB, device=device)
+
+
+def geometry_on_tensor(t: torch.Tensor, pre: pp.Preprocess, default_resize: int,
+                       default_crop: tuple[int, int]) -> torch.Tensor:
+    """`preprocess.apply_geometry` for a 3xHxW uint8 tensor already on its device.
+
+    Resizes in float32 and rounds back (antialiased uint8 resize is CPU-only in
+    some torch versions), so values may differ by one level from the CPU path.
+    """
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    resize, crop = pp._params(pre, default_resize, default_crop)
+    if resize:
+        t = F.resize(t.float(), [resize], interpolation=InterpolationMode.BILINEAR,
+                     antialias=True).round_().clamp_(0, 255).to(torch.uint8)
+    if crop:
+        t = F.center_crop(t, list(crop))
+    return t.contiguous()
 
 
 def unknown_layer_message(name: str, model: ServedModel) -> str:
