@@ -326,7 +326,9 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (server and limit)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--channels-last", action="store_true")
-    ap.add_argument("--batch", type=int, default=32, help="server --max-batch-size and row a")
+    # 8, not the server's default 32: on the 2-core dev CPU resnet50 runs 13-15 img/s
+    # at batch 1-8 but 9-11 at batch 32 (docs/performance.md); use 64-256 on a GPU.
+    ap.add_argument("--batch", type=int, default=8, help="server --max-batch-size and row a")
     ap.add_argument("--delay-ms", type=float, default=5.0, help="server --max-batch-delay-ms")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads in the servers and the in-process limit (0: default)")
