@@ -319,7 +319,9 @@ def test_overloaded_server_is_retried_not_failed(images, make_server, tmp_path, 
         (src / os.path.basename(p)).write_bytes(open(p, "rb").read())
     out = str(tmp_path / "o.parquet")
     assert batch(str(src), "--out", out, *LAYERS, *OPTS, "--server", s.address,
-                 "--streams", "4", "--max-in-flight", "32", "--retries", "200") == 0
+                 # One stream: retries go back on the stream that was pushed back, so
+                 # each try must carry an id the stream has not seen.
+                 "--streams", "1", "--max-in-flight", "32", "--retries", "200") == 0
     assert pq.read_table(out).column("path").to_pylist() == sorted(
         str(src / os.path.basename(p)) for p in good[:40])
     assert not os.path.exists(out + ".errors.csv")

@@ -171,8 +171,11 @@ class _Feed:
                 item = self.sched.take(block=not self.pending)
                 if item is None or item is _DONE:
                     return
-            self.pending[item.path] = item
-            self._ids.append(item.path)
+            # A server rejects an id seen before on the same stream, and a retry may
+            # land on the stream that pushed the image back: tag each retry's id.
+            sid = item.path if item.attempts == 0 else f"{item.path}#retry{item.attempts}"
+            self.pending[sid] = item
+            self._ids.append(sid)
             try:
                 with open(item.path, "rb") as fh:
                     data = fh.read()
