@@ -99,7 +99,8 @@ def reference(images, layers: list[str]) -> list[dict[str, np.ndarray]]:
     out = []
     with torch.inference_mode():
         for img in images:
-            x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float().div(255).sub(mean).div(std)
+            x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float()
+            x = x.div(255).sub(mean).div(std)
             out.append({k: v[0].numpy() for k, v in fx(x).items()})
     return out
 
