@@ -236,8 +236,10 @@ class Client:
             TLS (CA to trust; client certificate and key for mutual TLS).
         max_in_flight: images sent but not yet answered per stream.
         retries: how many times a call that fails with UNAVAILABLE is moved to another
-            address (streams re-send only their unanswered images).
-        retry_backoff: first backoff in seconds; it doubles per retry, capped at 5 s.
+            address (streams re-send only their unanswered images). An address that
+            answered UNAVAILABLE is skipped for a while (at least 1 s) while others are up.
+        retry_backoff: first backoff in seconds, slept when no other address is up; it
+            doubles per retry, capped at 5 s.
 
     Use it as a context manager, or call :meth:`close`.
     """
@@ -275,6 +277,8 @@ class Client:
             self._channels.append(ch)
         self._stubs = [pb_grpc.FeatureExtractorStub(c) for c in self._channels]
         self._rr = itertools.count(random.randrange(len(self._stubs)))
+        #: monotonic time until which an address that answered UNAVAILABLE is skipped
+        self._down_until = [0.0] * len(self._stubs)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -291,25 +295,45 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _next_stub(self) -> pb_grpc.FeatureExtractorStub:
+    def _pick(self) -> int:
+        """Next address round-robin, skipping those recently found UNAVAILABLE."""
         if self._closed:
             raise ValueError("client is closed")
         with self._lock:
-            return self._stubs[next(self._rr) % len(self._stubs)]
+            n = len(self._stubs)
+            now = time.monotonic()
+            for _ in range(n):
+                i = next(self._rr) % n
+                if self._down_until[i] <= now:
+                    return i
+            return min(range(n), key=self._down_until.__getitem__)  # all down: soonest back
 
-    def _backoff(self, attempt: int) -> None:
-        time.sleep(min(5.0, self.retry_backoff * (2 ** attempt)) * (0.5 + random.random() / 2))
+    def _delay(self, attempt: int) -> float:
+        return min(5.0, self.retry_backoff * (2 ** attempt)) * (0.5 + random.random() / 2)
+
+    def _unavailable(self, index: int, attempt: int, *, retry: bool) -> None:
+        """After UNAVAILABLE from address `index`: skip it for a while. Before a retry,
+        sleep the backoff only when no other address is up."""
+        delay = self._delay(attempt)
+        with self._lock:
+            now = time.monotonic()
+            self._down_until[index] = now + max(delay, 1.0)
+            others_up = any(t <= now for i, t in enumerate(self._down_until) if i != index)
+        if retry and not others_up:
+            time.sleep(delay)
 
     def _unary(self, method: str, request: Any) -> Any:
         for attempt in itertools.count():
-            stub = self._next_stub()
+            index = self._pick()
             try:
-                return getattr(stub, method)(request, timeout=self.timeout,
-                                             metadata=self._metadata)
+                return getattr(self._stubs[index], method)(
+                    request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
-                if exc.code() in RETRYABLE and attempt < self.retries:
-                    self._backoff(attempt)
-                    continue
+                if exc.code() in RETRYABLE:
+                    retry = attempt < self.retries
+                    self._unavailable(index, attempt, retry=retry)
+                    if retry:
+                        continue
                 raise errors.from_rpc_error(exc) from None
         raise AssertionError("unreachable")
 
@@ -431,17 +455,20 @@ class _Extraction:
     def run(self) -> Iterator[Result]:
         attempt = 0
         while True:
+            index = self.client._pick()
             try:
-                yield from self._stream()
+                yield from self._stream(index)
                 return
             except grpc.RpcError as exc:
-                if exc.code() in RETRYABLE and attempt < self.client.retries:
-                    self.client._backoff(attempt)
-                    attempt += 1
-                    continue
+                if exc.code() in RETRYABLE:
+                    retry = attempt < self.client.retries
+                    self.client._unavailable(index, attempt, retry=retry)
+                    if retry:
+                        attempt += 1
+                        continue
                 raise errors.from_rpc_error(exc) from None
 
-    def _stream(self) -> Iterator[Result]:
+    def _stream(self, index: int) -> Iterator[Result]:
         requests: queue.SimpleQueue = queue.SimpleQueue()
         _END = object()
 
@@ -452,7 +479,7 @@ class _Extraction:
                     return
                 yield item
 
-        stub = self.client._next_stub()
+        stub = self.client._stubs[index]
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         call = stub.Extract(gen(), timeout=timeout, metadata=self.client._metadata)
         requests.put(pb.ExtractRequest(spec=self.spec))
