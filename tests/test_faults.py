@@ -382,6 +382,8 @@ def test_sigterm_drains_and_the_sdk_moves_the_rest(make_server):
                 # 2. new calls get UNAVAILABLE
                 with pytest.raises(hookserve.errors.Unavailable, match="shutting down"):
                     ca.extract(imgs[0], "layer4", reduction="avg")
+                with pytest.raises(hookserve.errors.Unavailable, match="shutting down"):
+                    ca.list_models()
             # 3. in-flight images finish; the SDK re-sends the rest to B: none lost.
             rest = list(it)
         results = [first, *rest]

@@ -13,7 +13,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from hookserve.v1 import hookserve_pb2 as pb
-from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from .engine import Engine
 from .servicer import Servicer
@@ -74,6 +73,31 @@ class _TokenAuth(grpc.ServerInterceptor):
             deny, handler.request_deserializer, handler.response_serializer)
 
 
+def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
+    """pb_grpc.add_FeatureExtractorServicer_to_server, but Extract takes raw bytes.
+
+    The servicer parses each request message itself, so a message that is not an
+    ExtractRequest ends the call with INVALID_ARGUMENT. With grpc's own deserializer
+    the call is aborted inside grpc while the handler goes on, and the handler's end
+    then sends a second status: the call never completes and server.stop() hangs
+    forever (grpc 1.85; a client could block every SIGTERM this way).
+    """
+    handlers = {
+        "Extract": grpc.stream_stream_rpc_method_handler(
+            servicer.Extract, request_deserializer=None,
+            response_serializer=pb.ExtractResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+        "DescribeModel": grpc.unary_unary_rpc_method_handler(
+            servicer.DescribeModel, request_deserializer=pb.DescribeModelRequest.FromString,
+            response_serializer=pb.DescribeModelResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class HookServer:
     """A running hookserve gRPC server. Create with :func:`create_server`."""
 
@@ -95,7 +119,7 @@ class HookServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_FeatureExtractorServicer_to_server(self.servicer, self.grpc)
+        _add_servicer(self.servicer, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(

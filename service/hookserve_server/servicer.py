@@ -15,12 +15,13 @@ import time
 from collections.abc import Iterator
 
 import torch
+from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from .engine import Engine, ImageResult
-from .errors import Unavailable
+from .errors import InvalidArgument, Unavailable
 from .models import LayerInfo, ServedModel
 from .spec import ExtractionSpec, ImageInput, LayerSpec, Preprocess
 from .status import mapped, status_proto
@@ -67,7 +68,14 @@ def to_image(msg: pb.Image) -> ImageInput:
 
 
 def _requests(request_iterator) -> Iterator[ExtractionSpec | ImageInput]:
-    for req in request_iterator:
+    for n, req in enumerate(request_iterator):
+        if isinstance(req, bytes):  # server.py registers Extract with raw bytes in
+            try:
+                req = pb.ExtractRequest.FromString(req)
+            except DecodeError as exc:
+                raise InvalidArgument(
+                    f"request message {n} ({len(req)} bytes) is not a valid "
+                    f"hookserve.v1.ExtractRequest: {exc}") from None
         if req.WhichOneof("payload") == "spec":
             yield to_spec(req.spec)
         else:  # an image, or an empty message: an empty image gets its own error
