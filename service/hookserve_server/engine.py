@@ -246,6 +246,9 @@ class _DeviceWorker:
                     if not it.future.done():
                         self._finish(it, error=InternalError(
                             "internal error while running the model"))
+            # Let go before blocking for the next batch: an idle worker must not pin
+            # the last batch's pixels, answers (via its futures) and sessions.
+            batch = it = None
 
     def _serve_batch(self, batch: list[_WorkItem]) -> None:
         self.telemetry.queue_depth(str(self.device), len(self.queue))
@@ -305,6 +308,8 @@ class _DeviceWorker:
             event.synchronize()
             for it, out in zip(items, outputs):
                 self._finish(it, tensors=out)
+            # As in _loop: don't pin the last batch's pinned host buffers while idle.
+            job = event = items = outputs = it = out = None
 
     def _finish(self, it: _WorkItem, *, tensors=None, error=None) -> None:
         self._release(1)
