@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -427,3 +428,54 @@ def test_sigterm_with_a_stream_that_never_ends_still_exits_within_grace():
     finally:
         a.kill()
 
+
+
+# -- out of memory -------------------------------------------------------------------------
+
+# The split-and-retry path exists for CUDA OOM. There is no GPU here, so the server runs in
+# a child process whose address space is capped (RLIMIT_AS) once it is up: a real
+# allocation in the forward pass then fails ("can't allocate memory", which the engine
+# treats like a CUDA OOM) exactly as a too-big batch would on a GPU.
+OOM_SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from conftest import RunningServer
+    s = RunningServer(["--model", "vgg11", "--weights", "random", "--max-batch-size", "16",
+                       "--max-batch-delay-ms", "3000", "--preprocess-workers", "2"])
+    vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+              if l.startswith("VmSize"))
+    rng = np.random.default_rng(0)
+    imgs = [rng.integers(0, 255, (448, 448, 3), np.uint8) for _ in range(16)]
+    big = rng.integers(0, 255, (2048, 2048, 3), np.uint8)
+    # vgg11 features.0..3 at 448x448: about 45 MB of activations per image.
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (600 << 20), resource.RLIM_INFINITY))
+    opts = dict(layers="features.3", reduction="avg", native=True)
+    out = {}
+    with s.client(timeout=600) as c:
+        batch = list(c.extract_many(imgs, max_in_flight=16, **opts))
+        out["batch_ok"] = [r.ok for r in batch]
+        single = [c.extract(a, **opts)["features.3"] for a in imgs[:3]]
+        out["match"] = [bool(np.allclose(batch[i].features["features.3"], single[i],
+                                         rtol=1e-4, atol=1e-5)) for i in range(3)]
+        res = list(c.extract_many([imgs[0], big, imgs[1]], **opts))
+        out["alone"] = [(r.ok, r.error.code.name if r.error else "", r.error.message
+                         if r.error else "") for r in res]
+    print(json.dumps(out), flush=True)
+    s.stop(1)
+""")
+
+
+def test_out_of_memory_splits_the_batch_and_a_lone_image_fails_alone():
+    env = dict(os.environ, MALLOC_ARENA_MAX="2")   # fewer per-thread malloc reservations
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", OOM_SCRIPT, tests_dir], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert re.search(r"out of memory on a batch of (\d+): splitting", r.stderr)
+    assert out["batch_ok"] == [True] * 16          # every image of the split batch answered
+    assert out["match"] == [True] * 3              # ... with the same features as alone
+    (ok0, _, _), (ok1, code1, msg1), (ok2, _, _) = out["alone"]
+    assert ok0 and ok2 and not ok1
+    assert code1 == "RESOURCE_EXHAUSTED" and "more device memory" in msg1
