@@ -111,7 +111,8 @@ def limited() -> RunningServer:
                        "--max-image-pixels", "40000",          # 200x200
                        "--max-response-bytes", "1000000",      # 1 MB per image
                        "--max-message-bytes", str(1 << 20),    # 1 MiB per request message
-                       "--max-input-side", "512"])
+                       "--max-input-side", "512",
+                       "--max-batch-bytes", "8000000"])       # 8 MB of activations
     yield s
     s.stop(2.0)
 
@@ -318,3 +319,25 @@ def test_huge_names_get_a_short_message(server):
                                        img_msg(encode(rand_image(32, 32)), name)])
     assert ans.code == grpc.StatusCode.OK
     assert ans.image(1)[0] == INVALID and len(ans.image(1)[1]) < 2000
+
+
+def test_activation_memory_is_bounded_whatever_the_requested_layer(limited):
+    # A tiny answer (layer4, avg pooled) but conv1/relu at 400x400 would hold
+    # 64*200*200*4 = 10.2 MB for one image: refused before compute, naming the layer.
+    crop400 = pb.Preprocessing(mode=pb.Preprocessing.MODE_RESIZE_CROP, resize=400,
+                               crop_height=400, crop_width=400)
+    ans = extract_raw(limited.address, [spec_msg(layer("layer4"), pre=crop400),
+                                        img_msg(encode(rand_image(32, 32)))])
+    assert ans.code == grpc.StatusCode.RESOURCE_EXHAUSTED and ans.images == []
+    assert "--max-batch-bytes" in ans.details and "10.2 MB" in ans.details
+    # Resize without a crop: the size follows the image, so the check is per image,
+    # and the stream goes on. 32x32 -> 360x360: conv1 64*180*180*4 = 8.3 MB.
+    resize = pb.Preprocessing(mode=pb.Preprocessing.MODE_RESIZE_CROP, resize=360)
+    ans = extract_raw(limited.address, [
+        spec_msg(layer("layer4"), pre=resize), img_msg(encode(rand_image(32, 32))),
+        spec_msg(layer("layer4"), pre=pb.Preprocessing(mode=2, resize=200)),
+        img_msg(encode(rand_image(32, 32)))])
+    assert ans.code == grpc.StatusCode.OK
+    assert [ans.image(i)[0] for i in range(2)] == [grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                   grpc.StatusCode.OK]
+    assert "--max-batch-bytes" in ans.image(0)[1]

@@ -87,7 +87,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--max-batch-delay-ms", default=5.0, type=float,
          help="longest a batch waits for more images while some are still being decoded")
     _add(g, "--max-batch-bytes", default=1024 * MiB, type=int,
-         help="activation bytes (requested layers, before reduction) per batch")
+         help="activation bytes per batch: per image, the larger of the requested layers' "
+              "outputs and the largest layer output computed on the way; one image over "
+              "it gets RESOURCE_EXHAUSTED")
     _add(g, "--max-queue", default=1024, type=int,
          help="images admitted (decoding or waiting for the model) across all calls; "
               "beyond it images wait --queue-wait-ms, then get RESOURCE_EXHAUSTED")

@@ -667,7 +667,20 @@ class Engine:
                 f"the answer for one image at input {h}x{w} would be {response / 1e6:.1f} MB, "
                 f"over this server's --max-response-bytes of {limit / 1e6:.1f} MB: request "
                 "fewer layers, a reduction (avg/max), float16, or a smaller input size")
-        return response, activation
+        # The forward pass also holds layers nobody asked for (vgg's features.0 at 8192x8192
+        # is 17 GB): bound the largest output computed up to the last requested layer, so
+        # no input size a client picks can exhaust host memory; batches use the same bound.
+        last = max(table[layer.name].order for layer in spec.layers)
+        peak, peak_name = max((li.bytes_per_image, li.name) for li in table.values()
+                              if li.order <= last)
+        cap = self.config.max_batch_bytes
+        if peak > cap:
+            raise ResourceExhausted(
+                f"at input {h}x{w} layer {peak_name} of {spec.model.name} would output "
+                f"{peak / 1e6:.1f} MB for one image, over this server's --max-batch-bytes of "
+                f"{cap / 1e6:.1f} MB: use a smaller input size (resize/crop) or request "
+                "earlier layers")
+        return response, max(activation, peak)
 
     def window(self, spec: ResolvedSpec) -> int:
         """How many images of one stream may be in flight under this spec."""
