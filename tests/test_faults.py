@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import grpc
@@ -59,7 +60,10 @@ def answered(s: RunningServer, code: str = "OK", model: str = "resnet18") -> int
 def sessions(s: RunningServer) -> list[Session]:
     """The Extract sessions of server `s` that anything still references."""
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, Session) and o.engine is s.engine]
+    with warnings.catch_warnings():  # isinstance() wakes torch's deprecated aliases
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects()
+                if isinstance(o, Session) and o.engine is s.engine]
 
 
 def spec_req(layer="layer4", reduction=pb.REDUCTION_AVG_POOL, model="", pre=None):
