@@ -40,9 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import hookserve
 import numpy as np
 from PIL import Image
+
+import hookserve
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"

@@ -11,12 +11,14 @@ import struct
 import zlib
 
 import grpc
-import hookserve
 import numpy as np
 import pytest
-from conftest import RunningServer, encode, rand_image
+
+import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
+
+from conftest import RunningServer, encode, rand_image
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 CODE = {c.value[0]: c for c in grpc.StatusCode}

@@ -20,11 +20,13 @@ import h5py
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import encode, rand_image
+
 from hookserve import __version__
 from hookserve.batch_inputs import discover, safe_relpath, select_shard, shard_of
 from hookserve.batch_sinks import Record, journal_append, journal_read
 from hookserve.cli import main
+
+from conftest import encode, rand_image
 
 N_GOOD = 240
 CORRUPT = ["b/garbage.jpg", "b/empty.png", "c/truncated.png", "a/text.jpeg"]

@@ -19,13 +19,15 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import encode, rand_image
+from PIL import Image
+from torchvision.models.feature_extraction import create_feature_extractor
+
 from hookserve.images import to_image
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.models import build_model
-from PIL import Image
-from torchvision.models.feature_extraction import create_feature_extractor
+
+from conftest import encode, rand_image
 
 SIDE = 64  # native 64x64 images: cheap forward passes on a 2-core CPU
 FLAGS = ["--model", "resnet18", "--weights", "random", "--seed", "0",

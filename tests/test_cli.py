@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+
 from conftest import encode, rand_image
 
 

@@ -24,13 +24,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-import hookserve
 import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import RunningServer, encode, rand_image
+
+import hookserve
 from hookserve.cli import build_parser
+
+from conftest import RunningServer, encode, rand_image
 
 IMAGE = os.environ.get("HOOKSERVE_IMAGE", "hookserve:smoke")
 GRACE_S = 10.0

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import threading
 
-import hookserve
 import numpy as np
 import pytest
 import torch
-from conftest import encode, rand_image
+from torchvision.models.feature_extraction import create_feature_extractor
+from torchvision.transforms._presets import ImageClassification
+
+import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.models import build_model
-from torchvision.models.feature_extraction import create_feature_extractor
-from torchvision.transforms._presets import ImageClassification
+
+from conftest import encode, rand_image
 
 # CPU convolutions may pick different kernels for different batch sizes.
 TOL = {"rtol": 1e-4, "atol": 1e-4}

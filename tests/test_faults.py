@@ -24,13 +24,15 @@ import warnings
 from collections.abc import Callable
 
 import grpc
-import hookserve
 import numpy as np
 import pytest
-from conftest import RunningServer, rand_image
+
+import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.engine import Session
+
+from conftest import RunningServer, rand_image
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0", "--metrics-port", "0"]

@@ -12,11 +12,13 @@ import threading
 
 import grpc
 import pytest
-from conftest import RunningServer, encode, rand_image
-from hookserve.v1 import hookserve_pb2 as pb
-from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from hookserve.v1 import hookserve_pb2 as pb
+from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
+
+from conftest import RunningServer, encode, rand_image
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 S = grpc.StatusCode

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from hookserve.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,10 +11,12 @@ import logging
 import time
 import urllib.request
 
-import hookserve
 import pytest
-from conftest import RunningServer, encode, rand_image
 from prometheus_client.parser import text_string_to_metric_families
+
+import hookserve
+
+from conftest import RunningServer, encode, rand_image
 
 FLAGS = ("--model", "resnet18", "--weights", "random", "--seed", "0",
          "--max-batch-delay-ms", "20", "--metrics-port", "0")

@@ -6,11 +6,13 @@ import io
 
 import numpy as np
 import pytest
-from conftest import encode, rand_image
+from PIL import Image
+
 from hookserve_server.errors import InvalidArgument
 from hookserve_server.preprocess import decode
 from hookserve_server.spec import ImageInput
-from PIL import Image
+
+from conftest import encode, rand_image
 
 LIMIT = 50_000_000
 

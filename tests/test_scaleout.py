@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import urllib.request
 
-import hookserve
 import numpy as np
 import pytest
-from conftest import encode, rand_image
 from prometheus_client.parser import text_string_to_metric_families
+
+import hookserve
+
+from conftest import encode, rand_image
 
 FLAGS = ("--model", "resnet18", "--weights", "random", "--seed", "0",
          "--max-batch-delay-ms", "2", "--metrics-port", "0")

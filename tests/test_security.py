@@ -12,13 +12,15 @@ import pathlib
 import pickle
 
 import grpc
-import hookserve
 import pytest
 import torch
 import torchvision
+
+import hookserve
+from hookserve_server.errors import ConfigError
+
 from certs import CA
 from conftest import RunningServer, rand_image
-from hookserve_server.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASE = ["--model", "resnet18", "--weights", "random", "--seed", "0",

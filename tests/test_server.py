@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import grpc
-import hookserve
 import pytest
-from conftest import RunningServer, rand_image
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+
+import hookserve
+
+from conftest import RunningServer, rand_image
 
 
 def _health(address: str, service: str = "") -> int:

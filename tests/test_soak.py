@@ -14,8 +14,10 @@ import statistics
 import warnings
 
 import pytest
-from conftest import rand_image
+
 from hookserve_server.engine import Session
+
+from conftest import rand_image
 
 FLAGS = ["--model", "resnet18", "--model", "vgg11", "--weights", "random", "--seed", "0",
          "--max-batch-size", "8", "--max-batch-delay-ms", "1"]

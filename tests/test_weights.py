@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import rand_image
+
 from hookserve_server.errors import ConfigError
 from hookserve_server.models import build_model, imagenet_cache_path, state_dict_digest
+
+from conftest import rand_image
 
 
 def _save_seeded(path, arch="resnet18", seed=123):

@@ -295,7 +295,7 @@ class _DeviceWorker:
             event.record()
             self._done.put((event, items, outputs))
         else:
-            for it, out in zip(items, outputs):
+            for it, out in zip(items, outputs, strict=True):
                 self._finish(it, tensors=out)
 
     def _complete_loop(self) -> None:
@@ -306,7 +306,7 @@ class _DeviceWorker:
                 return
             event, items, outputs = job
             event.synchronize()
-            for it, out in zip(items, outputs):
+            for it, out in zip(items, outputs, strict=True):
                 self._finish(it, tensors=out)
             # As in _loop: don't pin the last batch's pinned host buffers while idle.
             job = event = items = outputs = it = out = None

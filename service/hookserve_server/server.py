@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from hookserve.v1 import hookserve_pb2 as pb
 
 from .engine import Engine

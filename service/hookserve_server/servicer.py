@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
+
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
