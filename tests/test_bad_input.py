@@ -343,3 +343,17 @@ def test_activation_memory_is_bounded_whatever_the_requested_layer(limited):
     assert [ans.image(i)[0] for i in range(2)] == [grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                    grpc.StatusCode.OK]
     assert "--max-batch-bytes" in ans.image(0)[1]
+
+
+def test_duplicate_ids_are_remembered_within_a_bounded_history(server, monkeypatch):
+    # Endless streams must not grow without bound: only the last ID_HISTORY ids count.
+    from hookserve_server import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "ID_HISTORY", 3)
+    img = rand_image(32, 32)
+    ids = ["a", "b", "a", "c", "d", "a", "d"]
+    with hookserve.Client(server.address, timeout=60) as c:
+        rs = list(c.extract_many([img] * len(ids), "conv1", ids=ids, native=True))
+    # "a" again at 2: within the last 3 -> duplicate. At 5, the history is b, c, d.
+    assert [r.ok for r in rs] == [True, True, False, True, True, True, False]
+    assert "duplicate image id 'a'" in rs[2].error.message

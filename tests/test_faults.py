@@ -309,8 +309,12 @@ def test_max_streams_limits_concurrent_calls(make_server):
             h.send(spec_req())
         wait_until(lambda: s.server.servicer._active == 2, what="two open calls")
         with s.client(timeout=10, retries=0) as c:
-            with pytest.raises(hookserve.errors.ResourceExhausted):
+            with pytest.raises(hookserve.errors.ResourceExhausted) as e:
                 c.extract(rand_image(32, 32), "layer4", reduction="avg")
+            assert "--max-streams" in e.value.message and e.value.retry_after_s == 1.0
+            # Saturated with streams, it still answers probes and unary calls.
+            assert c.health() == "SERVING"
+            assert c.list_models()[0].name == "resnet18"
     finally:
         for h in held:
             h.close()

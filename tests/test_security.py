@@ -213,6 +213,9 @@ def test_token_must_come_as_a_bearer_header(token_server):
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert stub.ListModels(pb.ListModelsRequest(), timeout=10,
                                metadata=(("authorization", f"Bearer {TOKEN}"),)).models
+        # the scheme is case-insensitive
+        assert stub.ListModels(pb.ListModelsRequest(), timeout=10,
+                               metadata=(("authorization", f"bearer {TOKEN}"),)).models
 
 
 def test_health_stays_open_without_a_token(token_server, monkeypatch):

@@ -74,7 +74,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--host", default="[::]", help="address to bind")
     _add(g, "--port", default=50051, type=int, help="port; 0 picks a free one and logs it")
     _add(g, "--max-streams", default=128, type=int,
-         help="concurrent calls; more get RESOURCE_EXHAUSTED")
+         help="concurrent Extract streams; more get RESOURCE_EXHAUSTED with a retry hint "
+              "(health checks and unary calls have threads of their own)")
     _add(g, "--max-message-bytes", default=64 * MiB, type=int,
          help="largest request message (one encoded image plus framing)")
     _add(g, "--chunk-bytes", default=2 * MiB, type=int,

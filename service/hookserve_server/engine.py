@@ -408,6 +408,10 @@ def _reduce(out: torch.Tensor, spec: LayerSpec, *, may_alias: bool) -> torch.Ten
     return t
 
 
+#: Duplicate ids are detected among the last this-many ids of a stream (~100 MB at most).
+ID_HISTORY = 1_000_000
+
+
 class Session:
     """One Extract call: reads requests, keeps a bounded window, answers in order."""
 
@@ -417,7 +421,9 @@ class Session:
         self.cancelled = False
         self._cond = threading.Condition()
         self._inflight = 0
+        # 64-bit digests of the last ID_HISTORY non-empty ids, oldest first.
         self._ids: set[int] = set()
+        self._id_order: collections.deque[int] = collections.deque()
         self.images = 0
         self.failed = 0
 
@@ -449,6 +455,9 @@ class Session:
                 f"duplicate image id {image_id!r} in this stream: ids must be unique "
                 "per stream (or empty)")
         self._ids.add(h)
+        self._id_order.append(h)
+        if len(self._id_order) > ID_HISTORY:  # bounded memory on endless streams
+            self._ids.discard(self._id_order.popleft())
 
     def run(self, requests: Iterable[ExtractionSpec | ImageInput]) -> Iterator[ImageResult]:
         """Consume requests on a reader thread; yield one ImageResult per image, in order.

@@ -21,6 +21,8 @@ from .servicer import Servicer
 log = logging.getLogger("hookserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["FeatureExtractor"].full_name
+#: Threads (and concurrent calls) kept for health checks and unary calls.
+UNARY_HEADROOM = 16
 #: Methods that stay open without a token, so orchestrators can probe.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
@@ -43,13 +45,14 @@ class _TokenAuth(grpc.ServerInterceptor):
     """Requires `authorization: Bearer <token>` on every call but health checks."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     def intercept_service(self, continuation, details):
         if details.method.startswith(OPEN_PREFIXES):
             return continuation(details)
         got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode(), self._expected):
+        scheme, _, token = got.partition(" ")  # the scheme is case-insensitive (RFC 7235)
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self._expected):
             return continuation(details)
         handler = continuation(details)
         if handler is None:
@@ -105,15 +108,20 @@ class HookServer:
     def __init__(self, engine: Engine, opts: ServerOptions) -> None:
         self.engine = engine
         self.opts = opts
-        self.servicer = Servicer(engine, chunk_bytes=opts.chunk_bytes)
+        self.servicer = Servicer(engine, chunk_bytes=opts.chunk_bytes,
+                                 max_streams=opts.max_streams)
         interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []
-        # Streams hold a thread each; unary calls need a few more.
-        self._pool = futures.ThreadPoolExecutor(max_workers=opts.max_streams + 8,
+        # Each Extract stream holds a thread; the servicer refuses streams beyond
+        # max_streams itself, so the spare threads always serve health checks and unary
+        # calls: a saturated server still answers its liveness probe.
+        # maximum_concurrent_rpcs is only a backstop against a flood of unary calls.
+        workers = opts.max_streams + UNARY_HEADROOM
+        self._pool = futures.ThreadPoolExecutor(max_workers=workers,
                                                 thread_name_prefix="hookserve-grpc")
         self.grpc = grpc.server(
             self._pool,
             interceptors=interceptors,
-            maximum_concurrent_rpcs=opts.max_streams,
+            maximum_concurrent_rpcs=workers,
             options=[
                 ("grpc.max_receive_message_length", opts.max_receive_message_bytes),
                 ("grpc.max_send_message_length", opts.max_send_message_bytes),

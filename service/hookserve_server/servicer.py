@@ -22,7 +22,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from .engine import Engine, ImageResult
-from .errors import InvalidArgument, Unavailable
+from .errors import InvalidArgument, ResourceExhausted, Unavailable
 from .models import LayerInfo, ServedModel
 from .spec import ExtractionSpec, ImageInput, LayerSpec, Preprocess
 from .status import mapped, status_proto
@@ -104,9 +104,11 @@ def layer_info(li: LayerInfo) -> pb.LayerInfo:
 class Servicer(pb_grpc.FeatureExtractorServicer):
     """hookserve.v1.FeatureExtractor over an Engine."""
 
-    def __init__(self, engine: Engine, *, chunk_bytes: int = 2 << 20) -> None:
+    def __init__(self, engine: Engine, *, chunk_bytes: int = 2 << 20,
+                 max_streams: int = 128) -> None:
         self.engine = engine
         self.chunk_bytes = chunk_bytes
+        self.max_streams = max_streams
         _keep_large_buffers_on_heap()
         self.telemetry = engine.telemetry
         self._draining = False
@@ -129,6 +131,11 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
         with self._cond:
             if self._draining:
                 raise Unavailable("server is shutting down: retry on another replica")
+            if self._active >= self.max_streams:
+                raise ResourceExhausted(
+                    f"{self._active} Extract streams are open, this server's limit "
+                    "(--max-streams): retry shortly or use another replica",
+                    retry_after_s=1.0)
             self._active += 1
 
     def _refuse_if_draining(self) -> None:
