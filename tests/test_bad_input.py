@@ -357,3 +357,24 @@ def test_duplicate_ids_are_remembered_within_a_bounded_history(server, monkeypat
     # "a" again at 2: within the last 3 -> duplicate. At 5, the history is b, c, d.
     assert [r.ok for r in rs] == [True, True, False, True, True, True, False]
     assert "duplicate image id 'a'" in rs[2].error.message
+
+
+def test_overlong_id_fails_that_image_alone_and_is_not_echoed(server):
+    img = rand_image(32, 32)
+    ids = ["ok-1", "x" * 100_000, "ok-2"]
+    stub = pb_grpc.FeatureExtractorStub(grpc.insecure_channel(server.address))
+    spec = pb.ExtractionSpec(layers=[pb.LayerRequest(name="conv1")],
+                             preprocessing=pb.Preprocessing(mode=pb.Preprocessing.MODE_NATIVE))
+    reqs = [pb.ExtractRequest(spec=spec)] + [pb.ExtractRequest(image=pb.Image(
+        id=i, raw=pb.RawImage(pixels=img.tobytes(), height=32, width=32))) for i in ids]
+    statuses = [(m.image_index, m.image_id, m.status) for m in stub.Extract(iter(reqs),
+                                                                            timeout=60)
+                if m.WhichOneof("payload") == "status"]
+    assert [(i, d, st.code) for i, d, st in statuses] == [
+        (0, "ok-1", 0), (1, "", grpc.StatusCode.INVALID_ARGUMENT.value[0]), (2, "ok-2", 0)]
+    assert "over the limit of 1024" in statuses[1][2].message
+
+
+def test_overlong_layer_name_is_refused_without_searching_for_close_names(client):
+    with pytest.raises(hookserve.InvalidArgument, match="over the limit of 256"):
+        client.extract(rand_image(32, 32), ["layer1" * 100_000])

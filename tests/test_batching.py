@@ -165,7 +165,7 @@ def test_batched_equals_unbatched_server(make_server, gated):
     assert gate.sizes[-1] == 8
     with single.client(timeout=120) as c:
         unbatched = [r.raise_for_error() for r in
-                     c.extract_many(images, layers, native=True, max_in_flight=8)]
+                     c.extract_many(images, layers, crop=SIDE, max_in_flight=8)]
     for b, u in zip(batched, unbatched, strict=True):
         assert b["layer4"].shape == (512,)
         for name in layers:
@@ -214,7 +214,7 @@ def test_queue_is_bounded_and_overflow_gets_resource_exhausted(make_server):
             gate.hold()
             with srv.client(timeout=120) as ca:
                 filler = pool.submit(lambda: [r.raise_for_error() for r in ca.extract_many(
-                    images, ["layer1"], native=True, max_in_flight=2)])
+                    images, ["layer1"], crop=SIDE, max_in_flight=2)])
                 assert gate.entered.wait(30)
                 wait_for(lambda: srv.engine.queued == 2, "the queue to be full")
                 # The queue is full and the worker is held: a third image waits
@@ -245,7 +245,8 @@ def test_cancelled_stream_drops_its_queued_images_and_breaks_nothing(gated):
         # A raw stream (so the test can cancel it from here): spec + 6 images.
         spec = pb.ExtractionSpec(
             model="resnet18", layers=[pb.LayerRequest(name="layer3")],
-            preprocessing=pb.Preprocessing(mode=pb.Preprocessing.MODE_NATIVE))
+            preprocessing=pb.Preprocessing(mode=pb.Preprocessing.MODE_RESIZE_CROP,
+                                           crop_height=SIDE, crop_width=SIDE))
         reqs = [pb.ExtractRequest(spec=spec)] + [
             pb.ExtractRequest(image=to_image(a, str(i)))
             for i, a in enumerate(doomed)]
@@ -253,7 +254,7 @@ def test_cancelled_stream_drops_its_queued_images_and_breaks_nothing(gated):
         wait_for(lambda: srv.engine.queued == 7, "the doomed stream's images to be queued")
         with srv.client(timeout=120) as c:
             other = pool.submit(lambda: [r.raise_for_error() for r in c.extract_many(
-                others, ["layer3"], native=True, max_in_flight=3)])
+                others, ["layer3"], crop=SIDE, max_in_flight=3)])
             wait_for(lambda: srv.engine.queued == 10, "the other stream's images")
             call.cancel()
             with pytest.raises(grpc.RpcError) as info:

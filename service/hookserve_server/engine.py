@@ -14,12 +14,14 @@ Nothing here imports grpc: the servicer adapts protobuf to these objects.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -92,6 +94,8 @@ class ResolvedSpec:
     preprocess: pp.Preprocess
     #: Model input size when it does not depend on the image.
     fixed_size: tuple[int, int] | None
+    #: Answer bytes per image at fixed_size (0 when the size varies).
+    answer_bytes: int = 0
 
 
 @dataclass
@@ -211,24 +215,23 @@ class _DeviceWorker:
         self.queue = _BatchQueue(cfg)
         self._release = release
         self._cuda = device.type == "cuda"
-        self._done: queue.SimpleQueue | None = queue.SimpleQueue() if self._cuda else None
+        # Finished batches go to a completer thread, which waits for the device-to-host
+        # copy (CUDA) and hands each image its own answer, off the model's thread.
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"hookserve-{device}",
                                         daemon=True)
-        self._completer = (threading.Thread(target=self._complete_loop,
-                                            name=f"hookserve-{device}-d2h", daemon=True)
-                           if self._cuda else None)
+        self._completer = threading.Thread(target=self._complete_loop,
+                                           name=f"hookserve-{device}-done", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
-        if self._completer:
-            self._completer.start()
+        self._completer.start()
 
     def close(self, timeout: float | None = None) -> None:
         self.queue.close()
         self._thread.join(timeout)
-        if self._completer and self._done is not None:
-            self._done.put(None)
-            self._completer.join(timeout)
+        self._done.put(None)
+        self._completer.join(timeout)
 
     # -- the loop ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -290,25 +293,34 @@ class _DeviceWorker:
             for it in items:
                 self._finish(it, error=err)
             return
-        if self._cuda and self._done is not None:
+        event = None
+        if self._cuda:
             event = torch.cuda.Event()
             event.record()
-            self._done.put((event, items, outputs))
-        else:
-            for it, out in zip(items, outputs, strict=True):
-                self._finish(it, tensors=out)
+        self._done.put((event, items, outputs))
 
     def _complete_loop(self) -> None:
-        assert self._done is not None
         while True:
             job = self._done.get()
             if job is None:
                 return
             event, items, outputs = job
-            event.synchronize()
-            for it, out in zip(items, outputs, strict=True):
-                self._finish(it, tensors=out)
-            # As in _loop: don't pin the last batch's pinned host buffers while idle.
+            try:
+                if event is not None:
+                    event.synchronize()
+                for it, out in zip(items, outputs, strict=True):
+                    if len(items) > 1:
+                        # A row is a view of the whole batch tensor: copy it, so a slow
+                        # reader holding one answer does not pin the batch's answers.
+                        out = [(name, t.clone()) for name, t in out]
+                    self._finish(it, tensors=out)
+            except Exception:
+                log.exception("handing out a batch's answers failed")
+                for it in items:
+                    if not it.future.done():
+                        self._finish(it, error=InternalError(
+                            "internal error while handing out the answer"))
+            # As in _loop: don't pin the last batch's buffers while idle.
             job = event = items = outputs = it = out = None
 
     def _finish(self, it: _WorkItem, *, tensors=None, error=None) -> None:
@@ -408,12 +420,21 @@ def _reduce(out: torch.Tensor, spec: LayerSpec, *, may_alias: bool) -> torch.Ten
     return t
 
 
-#: Duplicate ids are detected among the last this-many ids of a stream (~100 MB at most).
-ID_HISTORY = 1_000_000
+#: Duplicate ids are detected among the last this-many ids of a stream (~5 MB a stream).
+ID_HISTORY = 65_536
+#: Longest image id accepted; longest model or layer name.
+MAX_ID_CHARS = 1024
+MAX_NAME_CHARS = 256
 
 
 class Session:
-    """One Extract call: reads requests, keeps a bounded window, answers in order."""
+    """One Extract call: reads requests, keeps a bounded window, answers in order.
+
+    The window bounds images admitted and not yet yielded, by count
+    (``max_inflight_per_stream``) and by answer bytes (``max_stream_buffer_bytes``).
+    Per-image answer bytes come from the spec when the input size is fixed, else from
+    the largest answer seen so far on this stream (one image at a time until then).
+    """
 
     def __init__(self, engine: Engine, deadline: float | None = None) -> None:
         self.engine = engine
@@ -421,20 +442,35 @@ class Session:
         self.cancelled = False
         self._cond = threading.Condition()
         self._inflight = 0
+        self._largest_answer = 0   # bytes of the largest answer seen on this stream
+        self._reader_done = False
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
         # 64-bit digests of the last ID_HISTORY non-empty ids, oldest first.
         self._ids: set[int] = set()
         self._id_order: collections.deque[int] = collections.deque()
-        self.images = 0
-        self.failed = 0
 
     def cancel(self) -> None:
         with self._cond:
             self.cancelled = True
             self._cond.notify_all()
 
-    def _acquire(self, limit: int) -> bool:
+    def drain(self) -> None:
+        """Shutdown began: end the call now if nothing of it is in flight."""
         with self._cond:
-            while self._inflight >= limit and not self.cancelled:
+            if self._inflight == 0 and not self._reader_done:
+                self._out.put(_drain_error())
+
+    def _limit(self, spec: ResolvedSpec) -> int:
+        cfg = self.engine.config
+        per_image = spec.answer_bytes if spec.fixed_size else self._largest_answer
+        if per_image <= 0:  # size varies and nothing seen yet: one image to learn it
+            return 1
+        return max(1, min(cfg.max_inflight_per_stream,
+                          cfg.max_stream_buffer_bytes // per_image))
+
+    def _acquire(self, spec: ResolvedSpec) -> bool:
+        with self._cond:
+            while self._inflight >= self._limit(spec) and not self.cancelled:
                 self._cond.wait()
             if self.cancelled:
                 return False
@@ -446,9 +482,21 @@ class Session:
             self._inflight -= 1
             self._cond.notify_all()
 
+    def _observe(self, fut: Future) -> None:
+        if fut.exception() is None:
+            n = sum(t.numel() * t.element_size() for _, t in fut.result())
+            with self._cond:
+                if n > self._largest_answer:
+                    self._largest_answer = n
+                    self._cond.notify_all()  # the window may grow
+
     def _check_id(self, image_id: str) -> None:
         if not image_id:
             return
+        if len(image_id) > MAX_ID_CHARS:
+            raise InvalidArgument(
+                f"image id is {len(image_id)} characters, over the limit of {MAX_ID_CHARS}: "
+                "use shorter ids (answers are also matched by image_index)")
         h = int.from_bytes(hashlib.blake2b(image_id.encode(), digest_size=8).digest(), "little")
         if h in self._ids:
             raise InvalidArgument(
@@ -463,34 +511,36 @@ class Session:
         """Consume requests on a reader thread; yield one ImageResult per image, in order.
 
         A bad spec ends the iteration by raising its HookserveError, after the images
-        sent before it have been yielded.
+        sent before it have been yielded. So does shutdown (Unavailable), once the
+        images already admitted have been yielded.
         """
-        out: queue.SimpleQueue = queue.SimpleQueue()
-        reader = threading.Thread(target=self._read, args=(requests, out),
+        self.engine._register(self)
+        reader = threading.Thread(target=self._read, args=(requests,),
                                   name="hookserve-reader", daemon=True)
         reader.start()
         try:
             while True:
-                entry = out.get()
+                entry = self._out.get()
                 if entry is None:
                     return
                 if isinstance(entry, HookserveError):
                     raise entry
                 index, image_id, fut = entry
                 try:
-                    tensors = fut.result()
-                    result = ImageResult(index, image_id, tensors=tensors)
+                    result = ImageResult(index, image_id, tensors=fut.result())
                 except HookserveError as exc:
-                    self.failed += 1
                     result = ImageResult(index, image_id, error=exc)
                 try:
                     yield result
                 finally:
                     self._release()
+                    if self.engine.draining:
+                        self.drain()
         finally:
             self.cancel()
 
-    def _read(self, requests, out: queue.SimpleQueue) -> None:
+    def _read(self, requests) -> None:
+        out = self._out
         spec: ResolvedSpec | None = None
         index = 0
         try:
@@ -504,28 +554,34 @@ class Session:
                     raise InvalidArgument(
                         "an image came before any ExtractionSpec: send a spec first")
                 if self.engine.draining:
-                    raise Unavailable(
-                        "server is shutting down: images from this one on were not "
-                        "taken; send them to another replica")
-                limit = self.engine.window(spec)
-                if not self._acquire(limit):
+                    raise _drain_error()
+                if not self._acquire(spec):
                     break
                 fut: Future = Future()
+                fut.add_done_callback(self._observe)
                 try:
                     self._check_id(req.id)
                     self.engine.submit(spec, req, self, fut)
                 except HookserveError as exc:
                     fut.set_exception(exc)
-                out.put((index, req.id, fut))
+                # An over-long id is not echoed back (the answer carries image_index).
+                out.put((index, req.id if len(req.id) <= MAX_ID_CHARS else "", fut))
                 index += 1
-                self.images += 1
         except HookserveError as exc:
             out.put(exc)
-        except Exception as exc:  # the transport's request iterator failed (cancel, reset)
-            if not self.cancelled:
-                log.debug("request stream ended: %r", exc)
+        except Exception:
+            if not self.cancelled:  # a bug, not the client going away: say so
+                log.exception("reading the request stream failed")
+                out.put(InternalError("internal error while reading the request stream"))
         finally:
+            with self._cond:
+                self._reader_done = True
             out.put(None)
+
+
+def _drain_error() -> Unavailable:
+    return Unavailable("server is shutting down: images from here on were not taken; "
+                       "send them to another replica")
 
 
 class Engine:
@@ -548,6 +604,7 @@ class Engine:
         self._closing = False
         #: set by start_drain(): open streams stop taking new images
         self.draining = False
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self._workers: dict[str, _DeviceWorker] = {}
         for m in models:
             key = str(m.device)
@@ -587,8 +644,14 @@ class Engine:
                     raise r.error
 
     def start_drain(self) -> None:
-        """Stop taking new images on open streams; admitted ones still finish."""
+        """Stop taking new images on open streams; admitted ones still finish, and
+        streams with nothing in flight end at once (UNAVAILABLE)."""
         self.draining = True
+        for session in list(self._sessions):
+            session.drain()
+
+    def _register(self, session: Session) -> None:
+        self._sessions.add(session)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Refuse new images, finish what is queued, stop the workers."""
@@ -612,6 +675,9 @@ class Engine:
     # -- models ----------------------------------------------------------------------
     def get_model(self, name: str) -> ServedModel:
         name = name or self.default_model
+        if len(name) > MAX_NAME_CHARS:
+            raise ModelNotFound(f"model name is {len(name)} characters: no model has a name "
+                                f"over {MAX_NAME_CHARS} (see ListModels)")
         try:
             return self.models[name]
         except KeyError:
@@ -645,6 +711,10 @@ class Engine:
             if layer.name in seen:
                 raise InvalidArgument(f"layer {layer.name!r} is requested twice: name it once")
             seen.add(layer.name)
+            if len(layer.name) > MAX_NAME_CHARS:
+                raise InvalidArgument(
+                    f"a layer name is {len(layer.name)} characters, over the limit of "
+                    f"{MAX_NAME_CHARS}: DescribeModel lists the valid names")
             if layer.name not in m.layer_index:
                 raise InvalidArgument(unknown_layer_message(layer.name, m))
             if layer.reduction not in REDUCTIONS:
@@ -658,8 +728,9 @@ class Engine:
         pp.validate_preprocess(spec.preprocessing, self.config.max_input_side)
         fixed = pp.fixed_input_size(spec.preprocessing, m.defaults.crop)
         resolved = ResolvedSpec(m, tuple(spec.layers), spec.preprocessing, fixed)
-        if fixed is not None:
-            self._estimate(resolved, *fixed)  # fails fast, before any image is computed
+        if fixed is not None:  # fails fast, before any image is computed
+            answer, _ = self._estimate(resolved, *fixed)
+            resolved = dataclasses.replace(resolved, answer_bytes=answer)
         return resolved
 
     def _estimate(self, spec: ResolvedSpec, h: int, w: int) -> tuple[int, int]:
@@ -690,15 +761,6 @@ class Engine:
                 f"{cap / 1e6:.1f} MB: use a smaller input size (resize/crop) or request "
                 "earlier layers")
         return response, max(activation, peak)
-
-    def window(self, spec: ResolvedSpec) -> int:
-        """How many images of one stream may be in flight under this spec."""
-        cfg = self.config
-        if spec.fixed_size is None:
-            return cfg.max_inflight_per_stream
-        per_image, _ = self._estimate(spec, *spec.fixed_size)
-        return max(1, min(cfg.max_inflight_per_stream,
-                          cfg.max_stream_buffer_bytes // max(1, per_image)))
 
     # -- work ------------------------------------------------------------------------
     def _release(self, n: int) -> None:
