@@ -38,3 +38,21 @@ def test_all_addresses_down_raises_unavailable_after_retries():
             assert exc.code.name == "UNAVAILABLE"
         else:
             raise AssertionError("expected Unavailable")
+
+
+def test_same_path_twice_is_not_a_duplicate_id(client, tmp_path):
+    from conftest import encode, rand_image
+
+    p = tmp_path / "a.png"
+    p.write_bytes(encode(rand_image(32, 32)))
+    rs = list(client.extract_many([p, p], ["conv1"], native=True))
+    assert [r.ok for r in rs] == [True, True] and [r.id for r in rs] == [str(p)] * 2
+
+
+def test_fewer_ids_than_images_is_a_clear_error(client):
+    import pytest
+
+    from conftest import rand_image
+
+    with pytest.raises(ValueError, match="ids has fewer items than images"):
+        list(client.extract_many([rand_image(32, 32)] * 2, ["conv1"], ids=["only-one"]))

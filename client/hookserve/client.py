@@ -401,6 +401,14 @@ class Client:
         mid-stream, the unanswered images are re-sent to another address (up to
         `retries` times), so none is lost or answered twice.
 
+        The stream reads ahead: it sends up to `max_in_flight` images before it reads
+        the first answer, so with a slow lazy source the first result comes once that
+        many images were produced (or the source ended).
+
+        `ids` (one per image, unique) are sent to the server and become `Result.id`;
+        without them `Result.id` is the path (or the position) and the wire carries the
+        position only, so the same path may appear twice.
+
         Layers take `reduction` (none|avg|max|flatten), `dtype`
         (float32|float16|bfloat16) and `l2_normalize` unless set per layer.
         Preprocessing is the model's default unless `native=True` or `resize`/`crop`.
@@ -445,9 +453,17 @@ class _Extraction:
             return None
         index = self.next_index
         self.next_index += 1
-        image_id = next(self.ids) if self.ids is not None else default_id(obj, index)
+        if self.ids is not None:
+            image_id = next(self.ids, None)
+            if image_id is None:
+                raise ValueError(f"ids has fewer items than images (ran out at image {index})")
+            wire_id = image_id
+        else:
+            # Answers are matched by order, so the default wire id is only the position:
+            # the same path twice is not a duplicate id, and chunks stay small.
+            image_id, wire_id = default_id(obj, index), str(index)
         try:
-            return _Pending(index, image_id, to_image(obj, image_id))
+            return _Pending(index, image_id, to_image(obj, wire_id))
         except (OSError, TypeError, ValueError) as exc:
             return _Pending(index, image_id, None,
                             errors.InvalidArgument(f"could not read image {image_id!r}: {exc}"))
@@ -515,7 +531,10 @@ class _Extraction:
                             pass
                         return
                     continue
-                msg = next(responses)
+                msg = next(responses, None)
+                if msg is None:
+                    raise errors.Internal(
+                        "server ended the stream before answering every image")
                 which = msg.WhichOneof("payload")
                 if which == "tensor":
                     c = msg.tensor
@@ -545,9 +564,6 @@ class _Extraction:
                         msg.status.code, msg.status.message, retry_after_s=retry))
                 features = {}
                 assembling = {}
-        except StopIteration:
-            raise errors.Internal("server ended the stream before answering every image"
-                                  ) from None
         finally:
             requests.put(_END)
             call.cancel()
