@@ -137,3 +137,27 @@ def test_one_structured_log_line_per_call_without_image_data(metrics_server, cap
         assert payload[:16].hex() not in line
         assert not any(isinstance(v, (list, str)) and len(str(v)) > 200
                        for v in json.loads(line).values())
+
+
+def test_unary_calls_and_unknown_models_are_counted_and_logged(metrics_server, caplog):
+    port = metrics_server.metrics_port
+    before = scrape(port)
+    caplog.set_level(logging.INFO, logger="hookserve.calls")
+    with metrics_server.client(timeout=60) as c:
+        c.list_models()
+        c.describe("resnet18")
+        for name in ("nope-1", "nope-2"):  # random names must not become label values
+            with pytest.raises(hookserve.errors.NotFound):
+                c.describe(name)
+    after = scrape(port)
+    assert delta(after, before, "hookserve_requests_total",
+                 method="ListModels", model="", code="OK") == 1
+    assert delta(after, before, "hookserve_requests_total",
+                 method="DescribeModel", model="resnet18", code="OK") == 1
+    assert delta(after, before, "hookserve_requests_total",
+                 method="DescribeModel", model="unknown", code="NOT_FOUND") == 2
+    assert not any("nope" in str(k) for k in after)
+    lines = [json.loads(x) for x in call_lines(caplog)]
+    assert [(x["method"], x["code"]) for x in lines] == [
+        ("ListModels", "OK"), ("DescribeModel", "OK"), ("DescribeModel", "NOT_FOUND"),
+        ("DescribeModel", "NOT_FOUND")]

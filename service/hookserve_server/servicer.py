@@ -6,6 +6,7 @@ are raised as domain errors and mapped to statuses by :mod:`.status`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -149,33 +150,18 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             self._cond.notify_all()
 
     # -- RPCs ----------------------------------------------------------------------------
-    @mapped
-    def ListModels(self, request, context):
-        self._refuse_if_draining()
-        return pb.ListModelsResponse(models=[model_info(m) for m in self.engine.models.values()])
+    def _model_label(self, name: str) -> str:
+        """A model name fit for a metric label: unknown names collapse to "unknown"."""
+        name = name or self.engine.default_model
+        return name if name in self.engine.models else "unknown"
 
-    @mapped
-    def DescribeModel(self, request, context):
-        self._refuse_if_draining()
-        m, (h, w), layers = self.engine.describe(request.model, request.input_height,
-                                                 request.input_width)
-        return pb.DescribeModelResponse(model=model_info(m), input_height=h, input_width=w,
-                                        layers=[layer_info(li) for li in layers])
-
-    @mapped
-    def Extract(self, request_iterator, context):
-        self._enter()
+    @contextlib.contextmanager
+    def _observed(self, method: str, context, stats: dict):
+        """Count the call by model and code, and log one JSON line for it."""
         t0 = time.monotonic()
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
-        session = self.engine.session(deadline)
-        context.add_callback(session.cancel)
-        stats = {"images": 0, "failed": 0, "bytes": 0, "model": "", "layers": []}
         code = "OK"
         try:
-            requests = _requests(request_iterator)
-            for result in session.run(_observe_spec(requests, stats, self.engine)):
-                yield from self._encode(result, stats)
+            yield stats
         except GeneratorExit:  # the client went away mid-stream
             code = "CANCELLED"
             raise
@@ -183,14 +169,44 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             code = getattr(exc, "code", "INTERNAL")
             raise
         finally:
-            self._exit()
-            self.telemetry.call_done("Extract", stats["model"], code)
-            log.info(json.dumps({
-                "event": "call", "method": "Extract", "peer": context.peer(),
-                "model": stats["model"], "layers": stats["layers"],
-                "images": stats["images"], "failed": stats["failed"],
-                "bytes": stats["bytes"], "seconds": round(time.monotonic() - t0, 4),
-                "code": code}))
+            self.telemetry.call_done(method, stats.get("model", ""), code)
+            line = {"event": "call", "method": method, "peer": context.peer(), **stats,
+                    "seconds": round(time.monotonic() - t0, 4), "code": code}
+            log.info(json.dumps(line))
+
+    @mapped
+    def ListModels(self, request, context):
+        with self._observed("ListModels", context, {"model": ""}):
+            self._refuse_if_draining()
+            return pb.ListModelsResponse(
+                models=[model_info(m) for m in self.engine.models.values()])
+
+    @mapped
+    def DescribeModel(self, request, context):
+        stats = {"model": self._model_label(request.model)}
+        with self._observed("DescribeModel", context, stats):
+            self._refuse_if_draining()
+            m, (h, w), layers = self.engine.describe(request.model, request.input_height,
+                                                     request.input_width)
+            return pb.DescribeModelResponse(model=model_info(m), input_height=h,
+                                            input_width=w,
+                                            layers=[layer_info(li) for li in layers])
+
+    @mapped
+    def Extract(self, request_iterator, context):
+        stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
+        with self._observed("Extract", context, stats):
+            self._enter()
+            try:
+                remaining = context.time_remaining()
+                deadline = None if remaining is None else time.monotonic() + remaining
+                session = self.engine.session(deadline)
+                context.add_callback(session.cancel)
+                requests = _observe_spec(_requests(request_iterator), stats, self)
+                for result in session.run(requests):
+                    yield from self._encode(result, stats)
+            finally:
+                self._exit()
 
     def _encode(self, result: ImageResult, stats: dict) -> Iterator[pb.ExtractResponse]:
         stats["images"] += 1
@@ -251,10 +267,11 @@ def _keep_large_buffers_on_heap(threshold: int = 32 << 20) -> None:
     mallopt(m_trim_threshold, 4 * threshold)
 
 
-def _observe_spec(requests, stats: dict, engine: Engine):
-    """Pass requests through, noting the latest spec's model and layers for logs/metrics."""
+def _observe_spec(requests, stats: dict, servicer: Servicer):
+    """Pass requests through, noting the latest spec's model and layers for logs/metrics
+    (names are cut short: they come from the client)."""
     for req in requests:
         if isinstance(req, ExtractionSpec):
-            stats["model"] = req.model or engine.default_model
-            stats["layers"] = [layer.name for layer in req.layers]
+            stats["model"] = servicer._model_label(req.model)
+            stats["layers"] = [layer.name[:100] for layer in req.layers[:32]]
         yield req
