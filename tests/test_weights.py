@@ -120,3 +120,16 @@ def test_serve_reports_bad_weights_without_traceback(tmp_path):
     assert r.returncode == 2
     assert "does not match architecture resnet18" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag,value", [("--chunk-bytes", "0"), ("--chunk-bytes", str(64 << 20)),
+                                        ("--preprocess-workers", "0"), ("--max-queue", "-1"),
+                                        ("--grace-seconds", "-1")])
+def test_flags_that_would_break_the_server_are_refused_at_startup(flag, value):
+    from hookserve.cli import build_parser
+    from hookserve_server.app import build
+
+    args = build_parser().parse_args(["serve", "--model", "resnet18", "--weights", "random",
+                                      "--device", "cpu", flag, value])
+    with pytest.raises(ConfigError, match=flag):
+        build(args)

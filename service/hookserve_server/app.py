@@ -105,6 +105,26 @@ def _read_file(path: str | None, flag: str) -> bytes | None:
         raise ConfigError(f"cannot read {flag} {path}: {exc}") from None
 
 
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Numeric flags that would break the server are refused at start-up."""
+    from .server import ServerOptions
+
+    send_limit = ServerOptions.max_send_message_bytes
+    positive = ("max_streams", "max_batch_size", "max_batch_bytes", "max_queue",
+                "max_inflight_per_stream", "max_stream_buffer_bytes", "max_image_pixels",
+                "max_response_bytes", "max_input_side", "preprocess_workers",
+                "max_message_bytes", "chunk_bytes")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("max_batch_delay_ms", "queue_wait_ms", "grace_seconds", "threads"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+    if args.chunk_bytes > send_limit - (64 << 10):
+        raise ConfigError(f"--chunk-bytes must leave room under the {send_limit >> 20} MiB "
+                          "send limit (and stay under 4 MiB for default gRPC clients)")
+
+
 def build(args: argparse.Namespace):
     """Models, engine and (unstarted) server from parsed flags."""
     if args.threads:
@@ -113,6 +133,7 @@ def build(args: argparse.Namespace):
         raise ConfigError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    _check_ranges(args)
     names = args.model or ["resnet50"]
     if len(set(names)) != len(names):
         raise ConfigError(f"--model lists a model twice: {names}")

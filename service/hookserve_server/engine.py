@@ -615,9 +615,8 @@ class Engine:
                                         thread_name_prefix="hookserve-pre")
         self._started = False
         # --gpu-decode state (counters are advisory: races only delay the switch-off)
-        self._gpu_decode_ok = False
+        # Set by warmup() when the GPU decoder fails on a known-good JPEG.
         self._gpu_decode_off = False
-        self._gpu_decode_failures = 0
         if self.config.gpu_decode and not any(m.device.type == "cuda" for m in models):
             log.warning("--gpu-decode has no effect: no model runs on a CUDA device")
 
@@ -630,7 +629,27 @@ class Engine:
         return self
 
     def warmup(self) -> None:
-        """One image through every model's full forward pass, via the normal path."""
+        """One image through every model's full forward pass, via the normal path.
+
+        With --gpu-decode it also tries the GPU decoder on a known-good JPEG: when that
+        fails (no nvjpeg), decoding stays on the CPU. Per-image failures later never
+        switch it off, so corrupt uploads cannot turn it off for everyone.
+        """
+        cuda = [m.device for m in self.models.values() if m.device.type == "cuda"]
+        if self.config.gpu_decode and cuda and not self._gpu_decode_off:
+            import io
+
+            from PIL import Image
+
+            buf = io.BytesIO()
+            Image.new("RGB", (16, 16), (120, 60, 30)).save(buf, "JPEG")
+            try:
+                decode_jpeg_on_device(ImageInput("probe", encoded=buf.getvalue()),
+                                      self.config.max_image_pixels, cuda[0])
+            except Exception as exc:
+                log.warning("--gpu-decode: the GPU JPEG decoder does not work here (%s); "
+                            "decoding on the CPU", exc)
+                self._gpu_decode_off = True
         for m in self.models.values():
             last = list(m.layer_table(*m.defaults.crop))[-1]
             h, w = m.defaults.crop
@@ -800,6 +819,9 @@ class Engine:
         try:
             if session.cancelled:
                 raise Cancelled("the call was cancelled")
+            if session.deadline is not None and time.monotonic() > session.deadline:
+                raise DeadlineExceeded("the call's deadline passed before the image was "
+                                       "decoded")
             m = spec.model
             on_device = self._decode_on_device(m, image)
             if on_device is None:
@@ -837,26 +859,17 @@ class Engine:
     def _decode_on_device(self, m: ServedModel, image: ImageInput) -> torch.Tensor | None:
         """--gpu-decode: a plain RGB JPEG decoded on the model's CUDA device, else None.
 
-        None means "use the CPU path": other formats, CPU models, the flag off, and any
-        failure of the GPU decoder (the CPU path then decodes the image, or reports
-        it as corrupt with its usual message). After 3 failures and no success the
-        GPU decoder is taken as unavailable (e.g. torchvision built without nvjpeg).
+        None means "use the CPU path": other formats, CPU models, the flag off, a GPU
+        decoder that failed its warm-up probe, and any failure on this image (the CPU
+        path then decodes it, or reports it as corrupt with its usual message).
         """
         if not self.config.gpu_decode or m.device.type != "cuda" or self._gpu_decode_off:
             return None
         try:
-            t = decode_jpeg_on_device(image, self.config.max_image_pixels, m.device)
+            return decode_jpeg_on_device(image, self.config.max_image_pixels, m.device)
         except Exception as exc:
-            self._gpu_decode_failures += 1
-            if self._gpu_decode_failures == 1:
-                log.warning("GPU JPEG decoding failed, decoding on the CPU: %s", exc)
-            if self._gpu_decode_failures >= 3 and not self._gpu_decode_ok:
-                log.warning("--gpu-decode: GPU decoder unavailable; CPU decoding from now on")
-                self._gpu_decode_off = True
+            log.debug("GPU JPEG decoding failed for one image, decoding on the CPU: %s", exc)
             return None
-        if t is not None:
-            self._gpu_decode_ok = True
-        return t
 
     def session(self, deadline: float | None = None) -> Session:
         return Session(self, deadline)
