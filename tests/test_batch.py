@@ -417,3 +417,22 @@ def test_journal_drops_a_torn_last_record(tmp_path):
 def test_safe_relpath():
     assert safe_relpath("/data/a/../b/c.jpg") == "data/b/c.jpg"
     assert safe_relpath("../x/./y.png") == "__/x/y.png"
+
+
+def test_size_limit_errors_are_final_not_retried(images, make_server, tmp_path, capsys):
+    # A per-image RESOURCE_EXHAUSTED without a retry hint (here: the answer is over
+    # --max-response-bytes at the image's native size) would fail again: no retries.
+    root, good = images
+    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
+                    "--max-response-bytes", "5000")  # warm-up (fc) needs 4000
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in good[:3]:
+        (src / os.path.basename(p)).write_bytes(open(p, "rb").read())
+    out = str(tmp_path / "o.parquet")
+    assert batch(str(src), "--out", out, "--layers", "layer1", "--reduction", "flatten",
+                 "--native", "--server", s.address, "--retries", "5") == 1
+    summary = capsys.readouterr().err
+    assert "retried " not in summary
+    rows = open(out + ".errors.csv").read().splitlines()
+    assert len(rows) == 4 and all("RESOURCE_EXHAUSTED" in r for r in rows[1:])

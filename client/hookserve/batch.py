@@ -10,8 +10,10 @@ Design (see docs/batch.md for the user's view):
 - Results go to the main thread, which writes them **in input order** (a reorder buffer
   holds at most the in-flight images). So what is written is always a prefix of the
   work list, and a resumed run produces the same rows in the same order.
-- Per-image UNAVAILABLE / RESOURCE_EXHAUSTED answers are retried (after the server's
-  retry hint); a stream that fails as a whole has its unanswered images re-queued.
+- Per-image UNAVAILABLE answers, and RESOURCE_EXHAUSTED ones that carry the server's
+  overload retry hint, are retried (after that hint); a RESOURCE_EXHAUSTED without a
+  hint (the answer or the image is too big) fails at once; a stream that fails as a
+  whole has its unanswered images re-queued.
   The Client itself already moves a broken stream's unanswered images to the next
   server, and the writer ignores a second answer for an image, so nothing is lost or
   written twice.
@@ -45,6 +47,14 @@ EXIT_INTERRUPTED = 130
 
 #: Per-image codes worth another try (possibly on another server).
 RETRY_IMAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def _retryable(error) -> bool:
+    """UNAVAILABLE, or RESOURCE_EXHAUSTED from overload (it carries a retry hint); the
+    size limits' RESOURCE_EXHAUSTED would fail again, so it is final."""
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return error.retry_after_s is not None
+    return error.code in RETRY_IMAGE
 #: Call-level codes after which the stream's unanswered images are re-queued.
 RETRY_STREAM = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -240,7 +250,7 @@ class _Run:
     def _answer(self, sched: _Scheduler, item: _Item, features, error) -> None:
         with sched.cond:
             sched.stream_failures = 0
-        if error is not None and error.code in RETRY_IMAGE and item.attempts < self.args.retries:
+        if error is not None and _retryable(error) and item.attempts < self.args.retries:
             item.attempts += 1
             self.retried += 1
             delay = error.retry_after_s if error.retry_after_s else _backoff(item.attempts)
@@ -669,8 +679,8 @@ def add_batch_parser(subparsers, client_args=None) -> argparse.ArgumentParser:
                    help="images read and not yet written, over all streams; bounds memory "
                         "and what a kill can lose (default: %(default)s)")
     p.add_argument("--retries", type=int, default=5,
-                   help="tries per image on UNAVAILABLE / RESOURCE_EXHAUSTED before it "
-                        "counts as failed (default: %(default)s)")
+                   help="tries per image on UNAVAILABLE or overload (RESOURCE_EXHAUSTED with a "
+                        "retry hint) before it counts as failed (default: %(default)s)")
     p.add_argument("--checkpoint", type=int, default=1024, metavar="N",
                    help=".h5/.parquet: make written images visible as a new part every N "
                         "images (default: %(default)s), every --checkpoint-secs, or every "

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .engine import Engine, EngineConfig
-from .errors import ConfigError
+from .errors import ConfigError, HookserveError
 from .models import (
     ARCHITECTURES,
     WEIGHT_CHOICES,
@@ -189,7 +189,12 @@ def serve(args: argparse.Namespace) -> int:
         maddr = "0.0.0.0" if maddr in ("", "::") else maddr
         mport = telemetry.serve(args.metrics_port, addr=maddr)
         log.info("metrics on http://%s:%d/metrics", maddr, mport)
-    server.start()
+    try:
+        server.start()
+    except HookserveError as exc:  # e.g. limits too small for the warm-up image
+        log.error("cannot start: warm-up failed: %s", exc.message)
+        server.stop(0)
+        return 2
     log.info("hookserve listening on %s:%d (models: %s; health SERVING)", args.host,
              server.port, ", ".join(engine.models))
     stop.wait()

@@ -763,8 +763,8 @@ class Engine:
         limit = self.config.max_response_bytes
         if response > limit:
             raise ResourceExhausted(
-                f"the answer for one image at input {h}x{w} would be {response / 1e6:.1f} MB, "
-                f"over this server's --max-response-bytes of {limit / 1e6:.1f} MB: request "
+                f"the answer for one image at input {h}x{w} would be {_size(response)}, "
+                f"over this server's --max-response-bytes of {_size(limit)}: request "
                 "fewer layers, a reduction (avg/max), float16, or a smaller input size")
         # The forward pass also holds layers nobody asked for (vgg's features.0 at 8192x8192
         # is 17 GB): bound the largest output computed up to the last requested layer, so
@@ -776,8 +776,8 @@ class Engine:
         if peak > cap:
             raise ResourceExhausted(
                 f"at input {h}x{w} layer {peak_name} of {spec.model.name} would output "
-                f"{peak / 1e6:.1f} MB for one image, over this server's --max-batch-bytes of "
-                f"{cap / 1e6:.1f} MB: use a smaller input size (resize/crop) or request "
+                f"{_size(peak)} for one image, over this server's --max-batch-bytes of "
+                f"{_size(cap)}: use a smaller input size (resize/crop) or request "
                 "earlier layers")
         return response, max(activation, peak)
 
@@ -924,6 +924,10 @@ def geometry_on_tensor(t: torch.Tensor, pre: pp.Preprocess, default_resize: int,
     if crop:
         t = F.center_crop(t, list(crop))
     return t.contiguous()
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1_000_000 else f"{n:,} bytes"
 
 
 def unknown_layer_message(name: str, model: ServedModel) -> str:
