@@ -88,9 +88,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--max-batch-delay-ms", default=5.0, type=float,
          help="longest a batch waits for more images while some are still being decoded")
     _add(g, "--max-batch-bytes", default=1024 * MiB, type=int,
-         help="activation bytes per batch: per image, the larger of the requested layers' "
-              "outputs and the largest layer output computed on the way; one image over "
-              "it gets RESOURCE_EXHAUSTED")
+         help="activation bytes per batch, counting per image the larger of the requested "
+              "layers' outputs and the largest layer output computed on the way; an image "
+              "whose largest single layer output is over it gets RESOURCE_EXHAUSTED")
     _add(g, "--max-queue", default=1024, type=int,
          help="images admitted (decoding or waiting for the model) across all calls; "
               "beyond it images wait --queue-wait-ms, then get RESOURCE_EXHAUSTED")
@@ -99,7 +99,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--max-inflight-per-stream", default=64, type=int,
          help="images one stream may have unanswered; the stream then waits")
     _add(g, "--max-stream-buffer-bytes", default=256 * MiB, type=int,
-         help="answer bytes one stream may have computed and not yet sent")
+         help="answer bytes one stream may have admitted and not yet sent: the window "
+              "is this over the answer size per image (known from the spec for a fixed "
+              "input size, else from the largest answer so far; one image until then)")
     _add(g, "--max-image-pixels", default=50_000_000, type=int,
          help="largest image (width x height), checked before decoding")
     _add(g, "--max-response-bytes", default=1024 * MiB, type=int,
