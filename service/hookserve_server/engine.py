@@ -227,11 +227,14 @@ class _DeviceWorker:
         self._thread.start()
         self._completer.start()
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, end: float | None = None) -> None:
+        """Finish the queue, then stop; `end` is a time.monotonic() deadline."""
+        def left():
+            return None if end is None else max(0.0, end - time.monotonic())
         self.queue.close()
-        self._thread.join(timeout)
+        self._thread.join(left())
         self._done.put(None)
-        self._completer.join(timeout)
+        self._completer.join(left())
 
     # -- the loop ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -673,13 +676,17 @@ class Engine:
         self._sessions.add(session)
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Refuse new images, finish what is queued, stop the workers."""
+        """Refuse new images, finish what is queued, stop the workers; returns within
+        about `timeout` seconds (threads still busy then are daemons, ended at exit)."""
         with self._admit:
             self._closing = True
             self._admit.notify_all()
-        self._pool.shutdown(wait=True)
+        # Images already submitted to the pool are still decoded and queued; the
+        # workers wait for them (their queue's `incoming` count) before they stop.
+        self._pool.shutdown(wait=False)
+        end = None if timeout is None else time.monotonic() + timeout
         for w in self._workers.values():
-            w.close(timeout)
+            w.close(end)
 
     @property
     def queued(self) -> int:

@@ -184,7 +184,7 @@ class HookServer:
         if not idle:
             log.warning("grace period over with streams still open: cancelling them")
         self.grpc.stop(max(0.0, end - time.monotonic())).wait()
-        self.engine.close(timeout=max(1.0, end - time.monotonic()))
+        self.engine.close(timeout=max(0.1, end - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
 
