@@ -378,3 +378,15 @@ def test_overlong_id_fails_that_image_alone_and_is_not_echoed(server):
 def test_overlong_layer_name_is_refused_without_searching_for_close_names(client):
     with pytest.raises(hookserve.InvalidArgument, match="over the limit of 256"):
         client.extract(rand_image(32, 32), ["layer1" * 100_000])
+
+
+@pytest.mark.parametrize("method", ["ListModels", "DescribeModel"])
+def test_undecodable_unary_request_is_invalid_argument(server, method):
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.unary_unary(f"/hookserve.v1.FeatureExtractor/{method}",
+                              request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"\xff\xff\xff\xff garbage", timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not a valid hookserve.v1." in e.value.details()

@@ -69,15 +69,20 @@ def to_image(msg: pb.Image) -> ImageInput:
     return ImageInput(msg.id, encoded=msg.encoded)
 
 
+def _parse(cls, request, what: str = "request"):
+    """A request as registered with raw bytes (see server.py), parsed here."""
+    if not isinstance(request, bytes):
+        return request
+    try:
+        return cls.FromString(request)
+    except DecodeError as exc:
+        raise InvalidArgument(f"{what} ({len(request)} bytes) is not a valid "
+                              f"{cls.DESCRIPTOR.full_name}: {exc}") from None
+
+
 def _requests(request_iterator) -> Iterator[ExtractionSpec | ImageInput]:
     for n, req in enumerate(request_iterator):
-        if isinstance(req, bytes):  # server.py registers Extract with raw bytes in
-            try:
-                req = pb.ExtractRequest.FromString(req)
-            except DecodeError as exc:
-                raise InvalidArgument(
-                    f"request message {n} ({len(req)} bytes) is not a valid "
-                    f"hookserve.v1.ExtractRequest: {exc}") from None
+        req = _parse(pb.ExtractRequest, req, f"request message {n}")
         if req.WhichOneof("payload") == "spec":
             yield to_spec(req.spec)
         else:  # an image, or an empty message: an empty image gets its own error
@@ -177,14 +182,17 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
     @mapped
     def ListModels(self, request, context):
         with self._observed("ListModels", context, {"model": ""}):
+            _parse(pb.ListModelsRequest, request)
             self._refuse_if_draining()
             return pb.ListModelsResponse(
                 models=[model_info(m) for m in self.engine.models.values()])
 
     @mapped
     def DescribeModel(self, request, context):
-        stats = {"model": self._model_label(request.model)}
+        stats = {"model": ""}
         with self._observed("DescribeModel", context, stats):
+            request = _parse(pb.DescribeModelRequest, request)
+            stats["model"] = self._model_label(request.model)
             self._refuse_if_draining()
             m, (h, w), layers = self.engine.describe(request.model, request.input_height,
                                                      request.input_width)
