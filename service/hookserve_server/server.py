@@ -83,9 +83,8 @@ def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
     The servicer parses each request message itself, so a message that does not parse
     ends the call with INVALID_ARGUMENT (grpc's own deserializer answers INTERNAL). For a
     stream it is worse: the call is aborted inside grpc while the handler goes on, and
-    the handler's end
-    then sends a second status: the call never completes and server.stop() hangs
-    forever (grpc 1.85; a client could block every SIGTERM this way).
+    the handler's end then sends a second status: the call never completes and
+    server.stop() hangs forever (grpc 1.85; a client could block every SIGTERM this way).
     """
     handlers = {
         "Extract": grpc.stream_stream_rpc_method_handler(
