@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import io
-import signal
 import sys
 import threading
-from concurrent import futures
 
 import grpc
 import torch
 import torchvision
 from PIL import Image
+from raw_server import serve_until_signal  # bench/ sibling
 from torchvision import transforms
 
 METHOD = "/bench.Naive/Extract"
@@ -58,20 +57,8 @@ def main() -> int:
             out = features["out"].mean(dim=(2, 3))[0]
         return out.cpu().numpy().tobytes()
 
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    handler = grpc.method_handlers_generic_handler("bench.Naive", {
+    return serve_until_signal("bench.Naive", {
         "Extract": grpc.unary_unary_rpc_method_handler(extract)})
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"PORT {port}", flush=True)
-    stop.wait()
-    server.stop(1).wait()
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -39,12 +39,11 @@ def _stream(req: bytes, context):
         yield from per_image
 
 
-def main() -> int:
-    server = grpc.server(futures.ThreadPoolExecutor(8), options=OPTIONS)
-    handler = grpc.method_handlers_generic_handler("bench.Raw", {
-        "Stream": grpc.unary_stream_rpc_method_handler(
-            _stream, request_deserializer=None, response_serializer=None)})
-    server.add_generic_rpc_handlers((handler,))
+def serve_until_signal(service: str, handlers: dict, options=()) -> int:
+    """Serve generic handlers on 127.0.0.1:0, print `PORT n`, stop on SIGTERM/SIGINT."""
+    server = grpc.server(futures.ThreadPoolExecutor(8), options=options)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     stop = threading.Event()
@@ -54,6 +53,12 @@ def main() -> int:
     stop.wait()
     server.stop(1).wait()
     return 0
+
+
+def main() -> int:
+    return serve_until_signal("bench.Raw", {
+        "Stream": grpc.unary_stream_rpc_method_handler(
+            _stream, request_deserializer=None, response_serializer=None)}, OPTIONS)
 
 
 if __name__ == "__main__":
