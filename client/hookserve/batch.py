@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import grpc
 
 from . import errors
+from .cli import size_arg
 
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1
@@ -288,13 +289,6 @@ def _parse_layers(specs: list[str], default_reduction: str, dtype: str = "float3
     return [Layer(n, r, dtype, l2_normalize) for n, r in out]
 
 
-def _size_arg(text: str | None) -> tuple[int, int] | None:
-    if not text:
-        return None
-    h, _, w = text.lower().partition("x")
-    return int(h), int(w or h)
-
-
 class _Progress:
     """A one-line progress bar on stderr (images/s and ETA) and the final summary."""
 
@@ -356,7 +350,7 @@ def _metadata(args, client, layers) -> tuple[dict, dict]:
     """Validate model, layers and servers up front; -> (metadata, extract options)."""
     import hookserve
 
-    crop = _size_arg(args.crop)
+    crop = args.crop
     # dtype and l2_normalize travel inside each Layer.
     opts = {"native": args.native, "resize": args.resize, "crop": crop}
     try:
@@ -664,7 +658,7 @@ def add_batch_parser(subparsers, client_args=None) -> argparse.ArgumentParser:
     p.add_argument("--native", action="store_true",
                    help="no resize or crop: feature maps follow each image's size")
     p.add_argument("--resize", type=int, help="resize the shorter side to this")
-    p.add_argument("--crop", help="centre crop HxW (or one number)")
+    p.add_argument("--crop", type=size_arg, help="centre crop HxW (or one number)")
     p.add_argument("--path-column", default="path",
                    help="path column of .csv/.tsv/.parquet inputs (default: %(default)s)")
     p.add_argument("--root", help="folder that relative paths in list/table inputs are "

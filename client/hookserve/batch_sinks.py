@@ -120,6 +120,17 @@ def check_meta(existing: dict, meta: dict, where: str) -> None:
             "use the same command to resume, or write to a new --out")
 
 
+def _lock_and_check(folder: str, meta_name: str, meta: dict):
+    """Lock an output folder; an existing metadata file must match this run's settings.
+    -> (lock, metadata path)."""
+    lock = _Lock(os.path.join(folder, ".lock"))
+    meta_path = os.path.join(folder, meta_name)
+    if os.path.exists(meta_path):
+        with open(meta_path, encoding="utf-8") as fh:
+            check_meta(json.load(fh), meta, meta_path)
+    return lock, meta_path
+
+
 class _Lock:
     """An exclusive flock so two runs never write the same output at once."""
 
@@ -265,11 +276,7 @@ class _PartSink(Sink):
 
     def open(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
-        self.lock = _Lock(os.path.join(self.dir, ".lock"))
-        meta_path = os.path.join(self.dir, "_hookserve.json")
-        if os.path.exists(meta_path):
-            with open(meta_path, encoding="utf-8") as fh:
-                check_meta(json.load(fh), self.meta, meta_path)
+        self.lock, meta_path = _lock_and_check(self.dir, "_hookserve.json", self.meta)
         names = sorted(os.listdir(self.dir))
         for name in names:
             if name.startswith(".tmp-"):  # a part or master that never got renamed
@@ -580,11 +587,7 @@ class NpySink(Sink):
         if os.path.isfile(self.out):
             raise OutputError(f"{self.out} is a file; a folder output needs a folder")
         os.makedirs(self.out, exist_ok=True)
-        self.lock = _Lock(os.path.join(self.out, ".lock"))
-        meta_path = os.path.join(self.out, "hookserve.json")
-        if os.path.exists(meta_path):
-            with open(meta_path, encoding="utf-8") as fh:
-                check_meta(json.load(fh), self.meta, meta_path)
+        self.lock, meta_path = _lock_and_check(self.out, "hookserve.json", self.meta)
         _write_json_atomic(meta_path, self.meta)
         if os.path.exists(self.index_path):
             with open(self.index_path, "rb+") as fh:

@@ -9,6 +9,18 @@ import sys
 DEFAULT_SERVER = os.environ.get("HOOKSERVE_SERVER", "localhost:50051")
 
 
+def size_arg(text: str) -> tuple[int, int]:
+    """argparse type for a size: "HxW", or one number for a square."""
+    h, _, w = text.lower().partition("x")
+    try:
+        size = (int(h), int(w or h))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW or one number, got {text!r}") from None
+    if min(size) <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return size
+
+
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=DEFAULT_SERVER,
                    help="host:port, grpcs://host:port, dns:///name:port, or several "
@@ -44,12 +56,8 @@ def _serve(args) -> int:
 
 
 def _describe(args) -> int:
-    size = None
-    if args.size:
-        h, _, w = args.size.partition("x")
-        size = (int(h), int(w or h))
     with _client(args) as c:
-        d = c.describe(args.model, size)
+        d = c.describe(args.model, args.size)
     m = d.model
     print(f"model {m.name} ({m.architecture}) on {m.device}, {m.dtype}; weights: "
           f"{m.weights_source} {m.weights_name} {m.weights_digest[:19]}"
@@ -78,17 +86,13 @@ def _extract(args) -> int:
     import numpy as np
 
     layers = [x for s in args.layers for x in s.split(",") if x]
-    crop = None
-    if args.crop:
-        h, _, w = args.crop.partition("x")
-        crop = (int(h), int(w or h))
     out: dict[str, np.ndarray] = {}
     failed = 0
     with _client(args) as c:
         for r in c.extract_many(args.images, layers, model=args.model,
                                 reduction=args.reduction, dtype=args.dtype,
                                 l2_normalize=args.l2_normalize, native=args.native,
-                                resize=args.resize, crop=crop):
+                                resize=args.resize, crop=args.crop):
             if r.error is not None:
                 failed += 1
                 print(f"{r.id}: {r.error}", file=sys.stderr)
@@ -133,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List every hookable layer: name, module type, output "
                                    "shape and MB per image at an input size.")
     s.add_argument("model", nargs="?", help="model name (default: the server's default)")
-    s.add_argument("--size", help="input HxW (or one number) after preprocessing; "
+    s.add_argument("--size", type=size_arg, help="input HxW (or one number) after preprocessing; "
                                   "default: the model's crop size")
     _client_args(s)
     s.set_defaults(func=_describe)
@@ -155,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--native", action="store_true",
                    help="no resize or crop: features at the image's own resolution")
     s.add_argument("--resize", type=int, help="resize the shorter side to this")
-    s.add_argument("--crop", help="centre crop HxW (or one number)")
+    s.add_argument("--crop", type=size_arg, help="centre crop HxW (or one number)")
     s.add_argument("--out", help="write arrays to this .npz (keys: layer, or id:layer)")
     _client_args(s)
     s.set_defaults(func=_extract)

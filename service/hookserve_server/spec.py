@@ -65,7 +65,3 @@ class ImageInput:
     raw: bytes | None = None
     height: int = 0
     width: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.encoded or b"") + len(self.raw or b"")
