@@ -1,0 +1,112 @@
+"""Heat-map overlays of attribution maps on the image the model saw (numpy + PIL only).
+
+    >>> a = client.attribute("cat.jpg", layer="layer4", method="grad_cam")
+    >>> hookserve.overlay("cat.jpg", a).save("cat_cam.png")
+
+No matplotlib: the colour map is the classic "jet" ramp computed in numpy. PIL
+(pillow) is a core dependency of the SDK, so this needs no extra.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps
+
+
+def jet(x: np.ndarray) -> np.ndarray:
+    """Values in [0, 1] -> uint8 RGB of shape ``x.shape + (3,)``, dark blue to dark red."""
+    x = np.clip(np.asarray(x, dtype=np.float32), 0.0, 1.0)[..., None]
+    centres = np.array([0.75, 0.5, 0.25], dtype=np.float32)  # r, g, b
+    rgb = np.clip(1.5 - np.abs(4.0 * x - 4.0 * centres), 0.0, 1.0)
+    return (rgb * 255.0 + 0.5).astype(np.uint8)
+
+
+def heat(attribution_map: np.ndarray) -> np.ndarray:
+    """An attribution map -> a 2-D float32 heat in [0, 1].
+
+    A CAM map ``[h, w]`` is used as it is; an input-space map ``[3, H, W]`` becomes
+    the sum of absolute values over the channels. Then min-max scaled (a constant
+    map gives zeros).
+    """
+    m = np.asarray(attribution_map, dtype=np.float32)
+    if m.ndim == 3:
+        m = np.abs(m).sum(axis=0)
+    if m.ndim != 2:
+        raise ValueError(f"expected an [h, w] or [3, H, W] map, got shape {m.shape}")
+    m = np.nan_to_num(m)
+    lo, hi = float(m.min()), float(m.max())
+    return (m - lo) / (hi - lo) if hi > lo else np.zeros_like(m)
+
+
+def model_view(image: Any, resize: int = 0, crop: tuple[int, int] | None = None
+               ) -> Image.Image:
+    """The image as the model saw it: RGB, EXIF orientation applied, the shorter side
+    resized to `resize` (0: no resize), then centre-cropped to `crop` (HxW, None: no
+    crop), by the server's rules (torchvision's resize and center_crop)."""
+    img = _to_pil(image)
+    if resize:
+        w, h = img.size
+        short, long = min(w, h), max(w, h)
+        new_long = int(resize * long / short)
+        size = (resize, new_long) if w <= h else (new_long, resize)
+        img = img.resize(size, Image.BILINEAR)
+    if crop:
+        ch, cw = crop
+        w, h = img.size
+        if ch > h or cw > w:  # torchvision pads with zeros, then crops
+            canvas = Image.new("RGB", (max(w, cw), max(h, ch)))
+            canvas.paste(img, ((max(w, cw) - w) // 2, (max(h, ch) - h) // 2))
+            img, (w, h) = canvas, canvas.size
+        top, left = int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0))
+        img = img.crop((left, top, left + cw, top + ch))
+    return img
+
+
+def overlay(image: Any, attribution: Any, alpha: float = 0.5, *,
+            resize: int | None = None, crop: tuple[int, int] | None = None) -> Image.Image:
+    """Blend a colour-mapped attribution over the image the model saw; a PIL RGB image.
+
+    Args:
+        image: what was sent: a path, encoded bytes, a PIL image or an HxWx3 uint8 array.
+        attribution: an :class:`~hookserve.Attribution` (its map and the preprocessing
+            geometry it was computed with), or a bare ``[h, w]`` / ``[3, H, W]`` array.
+        alpha: weight of the heat map, 0 (image only) to 1 (heat map only).
+        resize, crop: the preprocessing geometry; taken from the Attribution when not
+            given. With a bare array and neither given, the whole image is used.
+
+    The result has the size of the model's input (e.g. 224x224 under the default
+    preprocessing); the map is upsampled to it bilinearly.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    amap = getattr(attribution, "map", attribution)
+    if amap is None:
+        raise ValueError("this attribution has no map (it failed: see its .error)")
+    geometry = getattr(attribution, "geometry", None) or (0, None)
+    view = model_view(image, geometry[0] if resize is None else resize,
+                      geometry[1] if crop is None else crop)
+    h = Image.fromarray(heat(amap)).resize(view.size, Image.BILINEAR)
+    colour = jet(np.asarray(h)).astype(np.float32)
+    base = np.asarray(view, dtype=np.float32)
+    out = (1.0 - alpha) * base + alpha * colour
+    return Image.fromarray(np.clip(out + 0.5, 0, 255).astype(np.uint8))
+
+
+def _to_pil(image: Any) -> Image.Image:
+    if isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
+        img = Image.open(image if isinstance(image, (str, os.PathLike))
+                         else io.BytesIO(bytes(image)))
+        img.seek(0)  # GIF/TIFF: the first frame, as the server decodes
+    elif isinstance(image, Image.Image):
+        img = image
+    elif isinstance(image, np.ndarray):
+        a = image[:, :, :3] if image.ndim == 3 else np.repeat(image[:, :, None], 3, axis=2)
+        return Image.fromarray(np.ascontiguousarray(a, dtype=np.uint8))
+    else:
+        raise TypeError(f"unsupported image type {type(image).__name__}: pass a path, "
+                        "encoded bytes, a PIL image or an HxWx3 uint8 array")
+    return ImageOps.exif_transpose(img).convert("RGB")
