@@ -22,6 +22,30 @@ class Reduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REDUCTION_AVG_POOL: _ClassVar[Reduction]
     REDUCTION_MAX_POOL: _ClassVar[Reduction]
     REDUCTION_FLATTEN: _ClassVar[Reduction]
+    REDUCTION_STATS: _ClassVar[Reduction]
+
+class AttributionMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ATTRIBUTION_METHOD_UNSPECIFIED: _ClassVar[AttributionMethod]
+    ATTRIBUTION_METHOD_GRAD_CAM: _ClassVar[AttributionMethod]
+    ATTRIBUTION_METHOD_HIRES_CAM: _ClassVar[AttributionMethod]
+    ATTRIBUTION_METHOD_LAYER_CAM: _ClassVar[AttributionMethod]
+    ATTRIBUTION_METHOD_GRADIENT: _ClassVar[AttributionMethod]
+    ATTRIBUTION_METHOD_GRADIENT_X_INPUT: _ClassVar[AttributionMethod]
+    ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS: _ClassVar[AttributionMethod]
+    ATTRIBUTION_METHOD_SMOOTH_GRAD: _ClassVar[AttributionMethod]
+
+class AttributionScore(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ATTRIBUTION_SCORE_UNSPECIFIED: _ClassVar[AttributionScore]
+    ATTRIBUTION_SCORE_LOGIT: _ClassVar[AttributionScore]
+    ATTRIBUTION_SCORE_SOFTMAX: _ClassVar[AttributionScore]
+
+class AttributionBaseline(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ATTRIBUTION_BASELINE_UNSPECIFIED: _ClassVar[AttributionBaseline]
+    ATTRIBUTION_BASELINE_ZEROS: _ClassVar[AttributionBaseline]
+    ATTRIBUTION_BASELINE_BLACK: _ClassVar[AttributionBaseline]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -31,6 +55,21 @@ REDUCTION_NONE: Reduction
 REDUCTION_AVG_POOL: Reduction
 REDUCTION_MAX_POOL: Reduction
 REDUCTION_FLATTEN: Reduction
+REDUCTION_STATS: Reduction
+ATTRIBUTION_METHOD_UNSPECIFIED: AttributionMethod
+ATTRIBUTION_METHOD_GRAD_CAM: AttributionMethod
+ATTRIBUTION_METHOD_HIRES_CAM: AttributionMethod
+ATTRIBUTION_METHOD_LAYER_CAM: AttributionMethod
+ATTRIBUTION_METHOD_GRADIENT: AttributionMethod
+ATTRIBUTION_METHOD_GRADIENT_X_INPUT: AttributionMethod
+ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS: AttributionMethod
+ATTRIBUTION_METHOD_SMOOTH_GRAD: AttributionMethod
+ATTRIBUTION_SCORE_UNSPECIFIED: AttributionScore
+ATTRIBUTION_SCORE_LOGIT: AttributionScore
+ATTRIBUTION_SCORE_SOFTMAX: AttributionScore
+ATTRIBUTION_BASELINE_UNSPECIFIED: AttributionBaseline
+ATTRIBUTION_BASELINE_ZEROS: AttributionBaseline
+ATTRIBUTION_BASELINE_BLACK: AttributionBaseline
 
 class LayerRequest(_message.Message):
     __slots__ = ("name", "reduction", "dtype", "l2_normalize")
@@ -105,20 +144,22 @@ class ExtractRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ExtractionSpec, _Mapping]] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("layer", "dtype", "shape", "total_bytes", "offset", "data")
+    __slots__ = ("layer", "dtype", "shape", "total_bytes", "offset", "data", "columns")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     layer: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     total_bytes: int
     offset: int
     data: bytes
-    def __init__(self, layer: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    columns: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layer: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExtractResponse(_message.Message):
     __slots__ = ("image_id", "image_index", "tensor", "status")
@@ -199,7 +240,7 @@ class DescribeModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., input_height: _Optional[int] = ..., input_width: _Optional[int] = ...) -> None: ...
 
 class LayerInfo(_message.Message):
-    __slots__ = ("name", "module", "type", "output_shape", "dtype", "bytes_per_image", "order")
+    __slots__ = ("name", "module", "type", "output_shape", "dtype", "bytes_per_image", "order", "input_shape", "input_bytes_per_image")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODULE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +248,8 @@ class LayerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_BYTES_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
     name: str
     module: str
     type: str
@@ -214,16 +257,112 @@ class LayerInfo(_message.Message):
     dtype: DType
     bytes_per_image: int
     order: int
-    def __init__(self, name: _Optional[str] = ..., module: _Optional[str] = ..., type: _Optional[str] = ..., output_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes_per_image: _Optional[int] = ..., order: _Optional[int] = ...) -> None: ...
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    input_bytes_per_image: int
+    def __init__(self, name: _Optional[str] = ..., module: _Optional[str] = ..., type: _Optional[str] = ..., output_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes_per_image: _Optional[int] = ..., order: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_bytes_per_image: _Optional[int] = ...) -> None: ...
 
 class DescribeModelResponse(_message.Message):
-    __slots__ = ("model", "input_height", "input_width", "layers")
+    __slots__ = ("model", "input_height", "input_width", "layers", "gradient_bytes_per_image")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     INPUT_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_BYTES_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     input_height: int
     input_width: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., input_height: _Optional[int] = ..., input_width: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ...) -> None: ...
+    gradient_bytes_per_image: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., input_height: _Optional[int] = ..., input_width: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., gradient_bytes_per_image: _Optional[int] = ...) -> None: ...
+
+class AttributionSpec(_message.Message):
+    __slots__ = ("model", "layer", "method", "score", "top_k", "preprocessing", "relu", "normalize", "upsample", "ig_steps", "ig_baseline", "sg_samples", "sg_sigma", "sg_seed")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESSING_FIELD_NUMBER: _ClassVar[int]
+    RELU_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    UPSAMPLE_FIELD_NUMBER: _ClassVar[int]
+    IG_STEPS_FIELD_NUMBER: _ClassVar[int]
+    IG_BASELINE_FIELD_NUMBER: _ClassVar[int]
+    SG_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SG_SIGMA_FIELD_NUMBER: _ClassVar[int]
+    SG_SEED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layer: str
+    method: AttributionMethod
+    score: AttributionScore
+    top_k: int
+    preprocessing: Preprocessing
+    relu: bool
+    normalize: bool
+    upsample: bool
+    ig_steps: int
+    ig_baseline: AttributionBaseline
+    sg_samples: int
+    sg_sigma: float
+    sg_seed: int
+    def __init__(self, model: _Optional[str] = ..., layer: _Optional[str] = ..., method: _Optional[_Union[AttributionMethod, str]] = ..., score: _Optional[_Union[AttributionScore, str]] = ..., top_k: _Optional[int] = ..., preprocessing: _Optional[_Union[Preprocessing, _Mapping]] = ..., relu: _Optional[bool] = ..., normalize: _Optional[bool] = ..., upsample: _Optional[bool] = ..., ig_steps: _Optional[int] = ..., ig_baseline: _Optional[_Union[AttributionBaseline, str]] = ..., sg_samples: _Optional[int] = ..., sg_sigma: _Optional[float] = ..., sg_seed: _Optional[int] = ...) -> None: ...
+
+class AttributeImage(_message.Message):
+    __slots__ = ("image", "target_class")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_CLASS_FIELD_NUMBER: _ClassVar[int]
+    image: Image
+    target_class: int
+    def __init__(self, image: _Optional[_Union[Image, _Mapping]] = ..., target_class: _Optional[int] = ...) -> None: ...
+
+class AttributeRequest(_message.Message):
+    __slots__ = ("spec", "image")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    spec: AttributionSpec
+    image: AttributeImage
+    def __init__(self, spec: _Optional[_Union[AttributionSpec, _Mapping]] = ..., image: _Optional[_Union[AttributeImage, _Mapping]] = ...) -> None: ...
+
+class ClassScore(_message.Message):
+    __slots__ = ("class_index", "logit", "probability")
+    CLASS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    class_index: int
+    logit: float
+    probability: float
+    def __init__(self, class_index: _Optional[int] = ..., logit: _Optional[float] = ..., probability: _Optional[float] = ...) -> None: ...
+
+class AttributionTarget(_message.Message):
+    __slots__ = ("target", "map_min", "map_max", "completeness_delta")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    MAP_MIN_FIELD_NUMBER: _ClassVar[int]
+    MAP_MAX_FIELD_NUMBER: _ClassVar[int]
+    COMPLETENESS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    target: ClassScore
+    map_min: float
+    map_max: float
+    completeness_delta: float
+    def __init__(self, target: _Optional[_Union[ClassScore, _Mapping]] = ..., map_min: _Optional[float] = ..., map_max: _Optional[float] = ..., completeness_delta: _Optional[float] = ...) -> None: ...
+
+class AttributionSummary(_message.Message):
+    __slots__ = ("targets", "top5")
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TOP5_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedCompositeFieldContainer[AttributionTarget]
+    top5: _containers.RepeatedCompositeFieldContainer[ClassScore]
+    def __init__(self, targets: _Optional[_Iterable[_Union[AttributionTarget, _Mapping]]] = ..., top5: _Optional[_Iterable[_Union[ClassScore, _Mapping]]] = ...) -> None: ...
+
+class AttributeResponse(_message.Message):
+    __slots__ = ("image_id", "image_index", "summary", "map", "status")
+    IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    image_id: str
+    image_index: int
+    summary: AttributionSummary
+    map: TensorChunk
+    status: _status_pb2.Status
+    def __init__(self, image_id: _Optional[str] = ..., image_index: _Optional[int] = ..., summary: _Optional[_Union[AttributionSummary, _Mapping]] = ..., map: _Optional[_Union[TensorChunk, _Mapping]] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...

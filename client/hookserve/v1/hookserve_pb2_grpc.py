@@ -40,6 +40,11 @@ class FeatureExtractorStub:
                 request_serializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractRequest.SerializeToString,
                 response_deserializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.FromString,
                 _registered_method=True)
+        self.Attribute = channel.stream_stream(
+                '/hookserve.v1.FeatureExtractor/Attribute',
+                request_serializer=hookserve_dot_v1_dot_hookserve__pb2.AttributeRequest.SerializeToString,
+                response_deserializer=hookserve_dot_v1_dot_hookserve__pb2.AttributeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/hookserve.v1.FeatureExtractor/ListModels',
                 request_serializer=hookserve_dot_v1_dot_hookserve__pb2.ListModelsRequest.SerializeToString,
@@ -84,6 +89,43 @@ class FeatureExtractorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attribute(self, request_iterator, context):
+        """Attribute is a bidirectional stream of saliency maps: how much each
+        activation of one layer (CAM methods) or each input pixel (input-space
+        methods) drives a class score. It works like Extract.
+
+        Requests: an AttributionSpec first, then any number of AttributeImages.
+        A spec applies to every image sent after it until the next spec replaces
+        it. An image sent before any spec fails the call with INVALID_ARGUMENT.
+
+        Responses, ordering and matching: images are answered in the order they
+        were sent, each with contiguous messages: one `summary`
+        (AttributionSummary: targets, scores, top 5), then the map as one or more
+        TensorChunk messages in ascending offset, then exactly one `status` that
+        ends the image. Every message carries the image's `image_id` and
+        `image_index`, as in Extract.
+
+        Cost: a request costs passes * (1 + 2 * k) forward-equivalents per image
+        (a backward pass costs about two forwards), where k is the number of
+        target classes per image (top_k, or 1) and passes is 1 for GRAD_CAM,
+        HIRES_CAM, LAYER_CAM, GRADIENT and GRADIENT_X_INPUT, steps + 1 for
+        INTEGRATED_GRADIENTS and samples for SMOOTH_GRAD. A spec above the
+        server's `--max-attribution-cost` (default 1024) ends the call with
+        INVALID_ARGUMENT naming that flag.
+
+        Errors: a problem with one image (undecodable bytes, a target class out
+        of range, a duplicate id...) ends that image alone with a non-OK
+        `status`, no summary and no map; the stream goes on. A problem with the
+        call itself (an invalid spec: unknown model or layer, an unset method, a
+        layer given to an input-space method or missing for a CAM method, a cost
+        above the cap) ends the call with INVALID_ARGUMENT (NOT_FOUND for an
+        unknown model or layer) after the images sent before the bad spec have
+        been answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """ListModels lists the models this server holds.
         """
@@ -107,6 +149,11 @@ def add_FeatureExtractorServicer_to_server(servicer, server):
                     servicer.Extract,
                     request_deserializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractRequest.FromString,
                     response_serializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.SerializeToString,
+            ),
+            'Attribute': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attribute,
+                    request_deserializer=hookserve_dot_v1_dot_hookserve__pb2.AttributeRequest.FromString,
+                    response_serializer=hookserve_dot_v1_dot_hookserve__pb2.AttributeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -147,6 +194,33 @@ class FeatureExtractor:
             '/hookserve.v1.FeatureExtractor/Extract',
             hookserve_dot_v1_dot_hookserve__pb2.ExtractRequest.SerializeToString,
             hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attribute(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hookserve.v1.FeatureExtractor/Attribute',
+            hookserve_dot_v1_dot_hookserve__pb2.AttributeRequest.SerializeToString,
+            hookserve_dot_v1_dot_hookserve__pb2.AttributeResponse.FromString,
             options,
             channel_credentials,
             insecure,
