@@ -30,6 +30,9 @@ DOCKERFILE = ROOT / "Dockerfile"
 BIN = Path(sys.executable).parent
 #: gRPC probes are GA from 1.27; the newest schema bundled with kubernetes-validate.
 K8S_VERSIONS = ("1.27.0", "1.37.0")
+#: The batch Job's backoffLimitPerIndex and podReplacementPolicy are on by default from 1.29.
+JOB_K8S_VERSIONS = ("1.29.0", "1.37.0")
+JOB_FILE = "job-batch.yaml"
 
 
 def tool(name: str) -> str:
@@ -107,14 +110,48 @@ def test_dockerignore_keeps_the_context_small():
 
 
 # ---------------------------------------------------------------- Kubernetes
-@pytest.mark.parametrize("version", K8S_VERSIONS)
-def test_manifests_validate_against_schema(version):
-    files = sorted(str(f) for f in K8S.glob("*.yaml"))
-    assert len(files) >= 3
+def _validate(files: list[str], version: str) -> None:
     p = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", version, *files],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("passed") == len(files), p.stdout
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_manifests_validate_against_schema(version):
+    files = sorted(str(f) for f in K8S.glob("*.yaml") if f.name != JOB_FILE)
+    assert len(files) >= 3
+    _validate(files, version)
+
+
+@pytest.mark.parametrize("version", JOB_K8S_VERSIONS)
+def test_batch_job_validates_against_schema(version):
+    _validate([str(K8S / JOB_FILE)], version)
+
+
+def test_batch_job_fails_a_shard_not_the_job():
+    """Retries per shard; exit code 2 (a user error) fails the shard at once; evictions
+    are not counted; a replacement pod starts only after the old one is gone."""
+    spec = by_kind()["Job"]["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert "backoffLimit" not in spec  # per index instead (it would cap all shards at once)
+    assert 1 <= spec["backoffLimitPerIndex"] <= 6
+    assert 0 <= spec["maxFailedIndexes"] < spec["completions"]
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
+    (c,) = spec["template"]["spec"]["containers"]
+    rules = spec["podFailurePolicy"]["rules"]
+    user_error = [r for r in rules if "onExitCodes" in r]
+    assert len(user_error) == 1
+    (r,) = user_error
+    assert r["action"] == "FailIndex"
+    assert r["onExitCodes"] == {"containerName": c["name"], "operator": "In", "values": [2]}
+    # ...and 2 is what `hookserve batch` exits with on a user error
+    from hookserve import batch
+    assert batch.EXIT_CANNOT_PROCEED == 2
+    disruption = [r for r in rules if "onPodConditions" in r]
+    assert [(r["action"], r["onPodConditions"][0]["type"]) for r in disruption] == \
+        [("Ignore", "DisruptionTarget")]
 
 
 def test_deployment_matches_the_server():
