@@ -108,10 +108,11 @@ class FeatureExtractorServicer:
         Cost: a request costs passes * (1 + 2 * k) forward-equivalents per image
         (a backward pass costs about two forwards), where k is the number of
         target classes per image (top_k, or 1) and passes is 1 for GRAD_CAM,
-        HIRES_CAM, LAYER_CAM, GRADIENT and GRADIENT_X_INPUT, steps + 1 for
-        INTEGRATED_GRADIENTS and samples for SMOOTH_GRAD. A spec above the
-        server's `--max-attribution-cost` (default 1024) ends the call with
-        INVALID_ARGUMENT naming that flag.
+        HIRES_CAM, LAYER_CAM, GRADIENT and GRADIENT_X_INPUT, ig_steps + 1 for
+        INTEGRATED_GRADIENTS (the path's points, both ends included), and
+        sg_samples for SMOOTH_GRAD, which adds 1 for a forward pass of the clean
+        image. A spec above the server's `--max-attribution-cost` (default 1024)
+        ends the call with INVALID_ARGUMENT naming that flag.
 
         Errors: a problem with one image (undecodable bytes, a target class out
         of range, a duplicate id...) ends that image alone with a non-OK
@@ -119,8 +120,8 @@ class FeatureExtractorServicer:
         call itself (an invalid spec: unknown model or layer, an unset method, a
         layer given to an input-space method or missing for a CAM method, a cost
         above the cap) ends the call with INVALID_ARGUMENT (NOT_FOUND for an
-        unknown model or layer) after the images sent before the bad spec have
-        been answered.
+        unknown model) after the images sent before the bad spec have been
+        answered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
