@@ -1,0 +1,134 @@
+"""Domain objects of the Attribute call (no protobuf, no grpc, no torch).
+
+Each enum member's value is its number in ``hookserve.v1`` (wire.py converts with
+``Method(n)``). What a method *does* is :mod:`hookserve_server.capture.attribute`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .spec import ImageInput, Preprocess
+
+#: Defaults for unset (zero) proto fields.
+DEFAULT_IG_STEPS = 32
+DEFAULT_SG_SAMPLES = 16
+DEFAULT_SG_SIGMA = 0.15
+
+
+class Method(enum.Enum):
+    """How a map is computed (hookserve.v1.AttributionMethod)."""
+
+    GRAD_CAM = 1
+    HIRES_CAM = 2
+    LAYER_CAM = 3
+    GRADIENT = 4
+    GRADIENT_X_INPUT = 5
+    INTEGRATED_GRADIENTS = 6
+    SMOOTH_GRAD = 7
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @property
+    def is_cam(self) -> bool:
+        """CAM methods weigh one layer's activation; the others explain the input."""
+        return self in (Method.GRAD_CAM, Method.HIRES_CAM, Method.LAYER_CAM)
+
+
+class Score(enum.Enum):
+    """The class score a map explains (hookserve.v1.AttributionScore)."""
+
+    LOGIT = 1
+    SOFTMAX = 2
+
+
+class Baseline(enum.Enum):
+    """Integrated Gradients' starting point (hookserve.v1.AttributionBaseline)."""
+
+    ZEROS = 1
+    BLACK = 2
+
+
+@dataclass(frozen=True)
+class AttributionSpec:
+    """What to attribute for the images that follow it on a stream.
+
+    ``relu`` None means the method's default: on for the CAM methods, off otherwise.
+    """
+
+    model: str
+    method: Method
+    layer: str = ""
+    score: Score = Score.LOGIT
+    top_k: int = 1
+    preprocessing: Preprocess = field(default_factory=Preprocess)
+    relu: bool | None = None
+    normalize: bool = False
+    upsample: bool = False
+    ig_steps: int = DEFAULT_IG_STEPS
+    ig_baseline: Baseline = Baseline.ZEROS
+    sg_samples: int = DEFAULT_SG_SAMPLES
+    sg_sigma: float = DEFAULT_SG_SIGMA
+    sg_seed: int = 0
+
+    @property
+    def targets_per_image(self) -> int:
+        return max(1, self.top_k)
+
+    @property
+    def apply_relu(self) -> bool:
+        return self.method.is_cam if self.relu is None else self.relu
+
+    @property
+    def passes(self) -> int:
+        """Forward-and-backward passes of one image, per target class."""
+        if self.method is Method.INTEGRATED_GRADIENTS:
+            return self.ig_steps + 1
+        if self.method is Method.SMOOTH_GRAD:
+            return self.sg_samples
+        return 1
+
+    @property
+    def cost(self) -> int:
+        """Forward-equivalents per image: a backward costs about two forwards.
+
+        passes * (1 + 2k), plus one forward of the clean image for SmoothGrad (the
+        formula the proto's Attribute comment gives clients).
+        """
+        extra = 1 if self.method is Method.SMOOTH_GRAD else 0
+        return self.passes * (1 + 2 * self.targets_per_image) + extra
+
+
+@dataclass
+class AttributeInput:
+    """One image of an Attribute stream, with its target class (None: the spec's)."""
+
+    image: ImageInput
+    target: int | None = None
+
+    @property
+    def id(self) -> str:
+        return self.image.id
+
+
+@dataclass(frozen=True)
+class ClassScore:
+    """One class's logit and probability for one image."""
+
+    class_index: int
+    logit: float
+    probability: float
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    """One map's target class, and the map's range before normalisation."""
+
+    target: ClassScore
+    map_min: float
+    map_max: float
+    #: Integrated Gradients only: sum of attributions - (f(x) - f(baseline)).
+    delta: float | None = None
