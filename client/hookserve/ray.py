@@ -1,0 +1,210 @@
+"""Ray Data adapter: extract features inside ``Dataset.map_batches`` actors.
+
+    import ray
+    from hookserve.ray import HookserveMapper
+
+    ds = ray.data.read_parquet("s3://bucket/images/")          # a column `image` of bytes
+    feats = ds.map_batches(
+        HookserveMapper,
+        fn_constructor_kwargs={"target": "dns:///hookserve:50051",
+                               "layers": ["layer4"], "reduction": "avg"},
+        concurrency=8, batch_size=64)
+    feats.write_parquet("s3://bucket/features/")
+
+Each actor builds its own :class:`hookserve.Client` in ``__init__`` (a Client holds
+channels and is never pickled; only the constructor arguments travel). A batch's rows
+carry either encoded image bytes (column ``image``, or ``image_column=``; a Hugging Face
+``{"bytes": ..., "path": ...}`` struct works too) or a path or fsspec URL (column
+``path``, or ``path_column=``; URLs need ``fsspec`` and the store's extra, e.g.
+``hookserve[s3]``).
+
+The output is the input batch plus one column per layer (named like the layer) and
+``ok`` (bool), ``error_code`` (a gRPC status name, ``""`` when ok) and
+``error_message``. A failed image is a row with ``ok=False``, never an exception, so one
+bad image does not fail a Ray task. When the layer's shape is fixed (any preprocessing
+but ``native`` without a reduction) its column is one ``[rows, *shape]`` array, and a
+failed row holds NaN (zeros for ``bfloat16``, which arrives as uint16 bit patterns);
+otherwise the column holds one array per row and ``None`` for failed rows.
+
+Ray itself is not imported here: install it with ``pip install 'hookserve[ray]'``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import errors
+from .client import Client
+
+__all__ = ["HookserveMapper", "read_bytes"]
+
+#: Per-file read cap for the ``path`` column (bytes); larger files become error rows.
+DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024
+
+
+def read_bytes(path: str, storage_options: dict | None = None,
+               max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
+    """The bytes of a local regular file or an fsspec URL (``s3://``, ``gs://``, ...).
+
+    Local files are opened non-blocking and must be regular files (a FIFO or a device
+    would hang or never end); anything over `max_bytes` is refused. Raises OSError.
+    """
+    if "://" in path:
+        import fsspec
+
+        with fsspec.open(path, "rb", **(storage_options or {})) as fh:
+            data = fh.read(max_bytes + 1)
+    else:
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{path}: not a regular file")
+            with os.fdopen(fd, "rb", closefd=False) as fh:
+                data = fh.read(max_bytes + 1)
+        finally:
+            os.close(fd)
+    if len(data) > max_bytes:
+        raise OSError(f"{path}: over the per-file cap of {max_bytes} bytes")
+    return data
+
+
+class HookserveMapper:
+    """A callable class for ``Dataset.map_batches``: one Client per actor.
+
+    Args:
+        target: server address(es), as for :class:`hookserve.Client`.
+        layers: layer names (or :class:`hookserve.Layer` objects).
+        reduction, dtype, l2_normalize, native, resize, crop, model: as for
+            :meth:`Client.extract_many`.
+        image_column: column with encoded image bytes (default ``image``).
+        path_column: column with paths or URLs, used when `image_column` is absent.
+        storage_options: fsspec options for URLs in `path_column`.
+        max_in_flight: images sent and not yet answered per batch's stream.
+        max_file_bytes: per-file cap for `path_column` reads.
+        client_kwargs: further :class:`hookserve.Client` arguments (token, TLS, timeout).
+    """
+
+    def __init__(self, target: str | Sequence[str], layers: Sequence[Any], *,
+                 reduction: str = "none", dtype: str = "float32", l2_normalize: bool = False,
+                 native: bool = False, resize: int | None = None,
+                 crop: int | tuple[int, int] | None = None, model: str | None = None,
+                 image_column: str = "image", path_column: str = "path",
+                 storage_options: dict | None = None, max_in_flight: int = 32,
+                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                 client_kwargs: dict | None = None) -> None:
+        self.client = Client(target, **(client_kwargs or {}))
+        self.layers = list(layers)
+        self.opts = {"model": model, "reduction": reduction, "dtype": dtype,
+                     "l2_normalize": l2_normalize, "native": native, "resize": resize,
+                     "crop": crop}
+        self.image_column = image_column
+        self.path_column = path_column
+        self.storage_options = storage_options
+        self.max_in_flight = max_in_flight
+        self.max_file_bytes = max_file_bytes
+        self.names = [getattr(la, "name", la) for la in self.layers]
+        self.shapes = self._fixed_shapes(model, reduction, native, resize, crop)
+        self.fill = 0 if dtype == "bfloat16" else np.nan
+        self.np_dtype = {"float32": np.float32, "float16": np.float16,
+                         "bfloat16": np.uint16}.get(dtype, np.float32)
+
+    def _fixed_shapes(self, model, reduction, native, resize, crop) -> dict[str, tuple] | None:
+        """Each layer's shape for every image, from DescribeModel; None when it varies."""
+        if native or (resize and not crop):
+            if reduction not in ("avg", "max"):
+                return None
+        desc = self.client.describe(model, crop)
+        shapes = {}
+        for la in self.layers:
+            name = getattr(la, "name", la)
+            red = getattr(la, "reduction", None) or reduction
+            shape = tuple(desc.layer(name).shape)
+            if red in ("avg", "max"):
+                shape = shape[:1]
+            elif red == "flatten":
+                shape = (int(np.prod(shape)),)
+            elif red != "none" or native or (resize and not crop):
+                return None  # a reduction whose shape DescribeModel does not give
+            shapes[name] = shape
+        return shapes
+
+    # -- one batch ---------------------------------------------------------------------
+    def __call__(self, batch: Any) -> Any:
+        as_pandas = hasattr(batch, "to_dict") and hasattr(batch, "columns")
+        cols = ({c: batch[c].to_numpy() for c in batch.columns} if as_pandas
+                else dict(batch))
+        n = len(next(iter(cols.values()))) if cols else 0
+        sources, failed = self._sources(cols, n)
+        feats: list[dict | None] = [None] * n
+        errs: list[errors.HookserveError | None] = list(failed)
+        todo = [i for i in range(n) if errs[i] is None]
+        try:
+            for r in self.client.extract_many(
+                    (sources[i] for i in todo), self.layers, ids=(str(i) for i in todo),
+                    max_in_flight=self.max_in_flight, **self.opts):
+                i = int(r.id)
+                feats[i], errs[i] = r.features, r.error
+        except errors.HookserveError as exc:  # the whole call failed: every open row fails
+            for i in todo:
+                if feats[i] is None and errs[i] is None:
+                    errs[i] = exc
+        out = dict(cols)
+        out.update(self._columns(feats, n))
+        out["ok"] = np.array([e is None for e in errs], dtype=bool)
+        out["error_code"] = np.array(["" if e is None else e.code.name for e in errs],
+                                     dtype=object)
+        out["error_message"] = np.array(["" if e is None else e.message for e in errs],
+                                        dtype=object)
+        if as_pandas:
+            import pandas as pd
+
+            return pd.DataFrame({k: (list(v) if getattr(v, "ndim", 1) > 1 else v)
+                                 for k, v in out.items()})
+        return out
+
+    def _sources(self, cols: dict, n: int) -> tuple[list, list]:
+        """Per row: what to send (bytes), and a local error for rows that cannot be read."""
+        sources: list[Any] = [None] * n
+        failed: list[errors.HookserveError | None] = [None] * n
+        if self.image_column in cols:
+            for i, v in enumerate(cols[self.image_column]):
+                if isinstance(v, dict):  # Hugging Face Image feature: {"bytes", "path"}
+                    v = v.get("bytes")
+                if v is None:
+                    failed[i] = errors.InvalidArgument(
+                        f"row {i}: column {self.image_column!r} is empty")
+                else:
+                    sources[i] = bytes(v)
+        elif self.path_column in cols:
+            for i, p in enumerate(cols[self.path_column]):
+                try:
+                    sources[i] = read_bytes(str(p), self.storage_options, self.max_file_bytes)
+                except (OSError, ValueError) as exc:
+                    failed[i] = errors.NotFound(f"cannot read {p}: {exc}")
+        else:
+            raise KeyError(f"the batch has neither an {self.image_column!r} nor a "
+                           f"{self.path_column!r} column (columns: {', '.join(cols)}); "
+                           "pass image_column= or path_column=")
+        return sources, failed
+
+    def _columns(self, feats: list[dict | None], n: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.names:
+            if self.shapes is not None:
+                col = np.full((n, *self.shapes[name]), self.fill, dtype=self.np_dtype)
+                for i, f in enumerate(feats):
+                    if f is not None:
+                        col[i] = f[name]
+            else:
+                col = np.empty(n, dtype=object)
+                for i, f in enumerate(feats):
+                    col[i] = None if f is None else np.asarray(f[name])
+            out[name] = col
+        return out
