@@ -94,6 +94,7 @@ ENV PATH=/opt/hookserve/bin:${PATH} \
     HOOKSERVE_HOST=[::] \
     HOOKSERVE_PORT=50051 \
     HOOKSERVE_METRICS_PORT=9090 \
+    HOOKSERVE_METRICS_HOST=0.0.0.0 \
     HOOKSERVE_GRACE_SECONDS=30
 
 # With WEIGHTS=imagenet, hookserve's own loader downloads and checks the files into

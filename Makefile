@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[server,batch,dev]'
 	touch $(STAMP)
 
-.PHONY: setup serve test test-slow lint proto bench bench-quick docker-smoke clean
+.PHONY: setup serve test test-slow test-ray lint proto bench bench-quick docker-smoke clean
 
 setup: $(STAMP)  ## create .venv and install everything
 
@@ -24,6 +24,10 @@ test: $(STAMP)  ## the fast suite (what CI runs)
 
 test-slow: $(STAMP)  ## soak and property-based tests
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-ray: $(STAMP)  ## the Ray Data adapter inside Ray (installs the ray extra first)
+	$(PY) -m pip install -q -e '.[ray]'
+	$(PY) -m pytest -q -m ray $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check client service tests bench tools
@@ -37,7 +41,7 @@ bench: $(STAMP)  ## full benchmark table (writes bench/results/*.json)
 bench-quick: $(STAMP)  ## a faster, smaller benchmark run
 	$(PY) bench/run.py --quick
 
-docker-smoke:  ## build the image, run it, extract through it, SIGTERM it
+docker-smoke: $(STAMP)  ## build the image, run it, extract through it, SIGTERM it
 	bash scripts/docker_smoke.sh
 
 clean:

@@ -113,11 +113,12 @@ def _check_ranges(args: argparse.Namespace) -> None:
     positive = ("max_streams", "max_batch_size", "max_batch_bytes", "max_queue",
                 "max_inflight_per_stream", "max_stream_buffer_bytes", "max_image_pixels",
                 "max_response_bytes", "max_input_side", "preprocess_workers",
-                "max_message_bytes", "chunk_bytes")
+                "max_message_bytes", "chunk_bytes", "max_side_streams")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
-    for name in ("max_batch_delay_ms", "queue_wait_ms", "grace_seconds", "threads"):
+    for name in ("max_batch_delay_ms", "queue_wait_ms", "grace_seconds", "threads",
+                 "stream_idle_seconds"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
     if args.chunk_bytes > send_limit - (64 << 10):
@@ -168,8 +169,18 @@ def build(args: argparse.Namespace):
         tls_cert=_read_file(args.tls_cert, "--tls-cert"),
         tls_key=_read_file(args.tls_key, "--tls-key"),
         tls_client_ca=_read_file(args.tls_client_ca, "--tls-client-ca"),
-        auth_token=_read_token(args.auth_token_file) if args.auth_token_file else None)
+        auth_token=_read_token(args.auth_token_file) if args.auth_token_file else None,
+        max_side_streams=args.max_side_streams,
+        stream_idle_seconds=args.stream_idle_seconds)
     return engine, create_server(engine, opts), telemetry
+
+
+def start_metrics(telemetry, args: argparse.Namespace) -> tuple[str, int]:
+    """Serve /metrics on --metrics-host:--metrics-port; returns the bound (addr, port)."""
+    # "[::]" would fail where a container has IPv6 switched off: use 0.0.0.0.
+    addr = args.metrics_host.strip("[]")
+    addr = "0.0.0.0" if addr in ("", "::") else addr
+    return addr, telemetry.serve(args.metrics_port, addr=addr)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -183,11 +194,7 @@ def serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         return 2
     if telemetry is not None:
-        # A specific --host (e.g. 127.0.0.1) binds metrics there too; the wildcard stays
-        # 0.0.0.0, since "::" fails where a container has IPv6 switched off.
-        maddr = args.host.strip("[]")
-        maddr = "0.0.0.0" if maddr in ("", "::") else maddr
-        mport = telemetry.serve(args.metrics_port, addr=maddr)
+        maddr, mport = start_metrics(telemetry, args)
         log.info("metrics on http://%s:%d/metrics", maddr, mport)
     try:
         server.start()

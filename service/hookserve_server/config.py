@@ -76,6 +76,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--max-streams", default=128, type=int,
          help="concurrent Extract streams; more get RESOURCE_EXHAUSTED with a retry hint "
               "(health checks and unary calls have threads of their own)")
+    _add(g, "--max-side-streams", default=16, type=int,
+         help="concurrent calls of each other streaming method (health Watch, "
+              "reflection); more get RESOURCE_EXHAUSTED. Threads are kept for them and "
+              "for unary calls, so open streams never block health checks")
+    _add(g, "--stream-idle-seconds", default=300.0, type=float,
+         help="cancel a health Watch or reflection stream after this long with no "
+              "message either way; 0 never")
     _add(g, "--max-message-bytes", default=64 * MiB, type=int,
          help="largest request message (one encoded image plus framing)")
     _add(g, "--chunk-bytes", default=2 * MiB, type=int,
@@ -124,6 +131,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("observability")
     _add(g, "--metrics-port", default=None, type=int,
-         help="serve Prometheus metrics on this port (0 picks one); off when unset")
+         help="serve Prometheus metrics on this port (0 picks one); off when unset. "
+              "The endpoint has no auth: it shows call and image counts by model and "
+              "status code, latencies, batch sizes and bytes sent, never image data or ids")
+    _add(g, "--metrics-host", default="127.0.0.1",
+         help="address the metrics endpoint binds: loopback by default; 0.0.0.0 (or a "
+              "pod IP) for a Prometheus on another host")
     _add(g, "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
          help="log level")

@@ -17,6 +17,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 
 from .engine import Engine
 from .servicer import Servicer
+from .stream_caps import SIDE_STREAMS, StreamCaps, same_shape
 
 log = logging.getLogger("hookserve.server")
 
@@ -39,6 +40,10 @@ class ServerOptions:
     tls_key: bytes | None = None
     tls_client_ca: bytes | None = None
     auth_token: str | None = None
+    #: open calls of each streaming method other than Extract (health Watch, reflection)
+    max_side_streams: int = 16
+    #: side streams with no message either way for this long are cancelled (0: never)
+    stream_idle_seconds: float = 300.0
 
 
 class _TokenAuth(grpc.ServerInterceptor):
@@ -50,31 +55,27 @@ class _TokenAuth(grpc.ServerInterceptor):
     def intercept_service(self, continuation, details):
         if details.method.startswith(OPEN_PREFIXES):
             return continuation(details)
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        sent = [v for k, v in details.invocation_metadata or () if k == "authorization"]
+        got = sent[0] if len(sent) == 1 else ""
         scheme, _, token = got.partition(" ")  # the scheme is case-insensitive (RFC 7235)
         if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self._expected):
             return continuation(details)
         handler = continuation(details)
         if handler is None:
             return None
-        msg = ("missing bearer token: send metadata 'authorization: Bearer <token>' "
-               "(the SDK reads HOOKSERVE_TOKEN)") if not got else "invalid bearer token"
+        if len(sent) > 1:  # which one would count is a proxy's guess: refuse them all
+            msg = (f"{len(sent)} authorization headers sent: send exactly one "
+                   "'authorization: Bearer <token>'")
+        elif not sent:
+            msg = ("missing bearer token: send metadata 'authorization: Bearer <token>' "
+                   "(the SDK reads HOOKSERVE_TOKEN)")
+        else:
+            msg = "invalid bearer token"
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
 
-        # Answer with a handler of the same shape as the real one.
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                deny, handler.request_deserializer, handler.response_serializer)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                deny, handler.request_deserializer, handler.response_serializer)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                deny, handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer)
+        return same_shape(handler, deny)
 
 
 def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
@@ -110,12 +111,16 @@ class HookServer:
         self.opts = opts
         self.servicer = Servicer(engine, chunk_bytes=opts.chunk_bytes,
                                  max_streams=opts.max_streams)
+        self.stream_caps = StreamCaps(opts.max_side_streams, opts.stream_idle_seconds)
         interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []
-        # Each Extract stream holds a thread; the servicer refuses streams beyond
-        # max_streams itself, so the spare threads always serve health checks and unary
-        # calls: a saturated server still answers its liveness probe.
+        interceptors.append(self.stream_caps)
+        # Each open stream holds a thread. The servicer refuses Extract streams beyond
+        # max_streams, the stream caps other streaming methods beyond max_side_streams
+        # each, so the spare threads always serve health checks and unary calls: a
+        # server full of open streams still answers its liveness probe.
         # maximum_concurrent_rpcs is only a backstop against a flood of unary calls.
-        workers = opts.max_streams + UNARY_HEADROOM
+        workers = (opts.max_streams + opts.max_side_streams * len(SIDE_STREAMS)
+                   + UNARY_HEADROOM)
         self._pool = futures.ThreadPoolExecutor(max_workers=workers,
                                                 thread_name_prefix="hookserve-grpc")
         self.grpc = grpc.server(
@@ -185,6 +190,7 @@ class HookServer:
             log.warning("grace period over with streams still open: cancelling them")
         self.grpc.stop(max(0.0, end - time.monotonic())).wait()
         self.engine.close(timeout=max(0.1, end - time.monotonic()))
+        self.stream_caps.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
 
