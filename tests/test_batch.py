@@ -22,8 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from hookserve import __version__
-from hookserve.batch_inputs import discover, safe_relpath, select_shard, shard_of
-from hookserve.batch_sinks import Record, journal_append, journal_read
+from hookserve.batch.inputs import discover, select_shard, shard_of
+from hookserve.batch.sinks import Record, journal_append, journal_read
+from hookserve.batch.sinks.npy import safe_relpath
 from hookserve.cli import main
 
 from conftest import encode, rand_image

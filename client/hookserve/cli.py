@@ -3,46 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-DEFAULT_SERVER = os.environ.get("HOOKSERVE_SERVER", "localhost:50051")
-
-
-def size_arg(text: str) -> tuple[int, int]:
-    """argparse type for a size: "HxW", or one number for a square."""
-    h, _, w = text.lower().partition("x")
-    try:
-        size = (int(h), int(w or h))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HxW or one number, got {text!r}") from None
-    if min(size) <= 0:
-        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
-    return size
-
-
-def _client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", default=DEFAULT_SERVER,
-                   help="host:port, grpcs://host:port, dns:///name:port, or several "
-                        "comma-separated (default: %(default)s; env HOOKSERVE_SERVER)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
-    p.add_argument("--ca", help="PEM CA file to trust (TLS)")
-    p.add_argument("--cert", help="PEM client certificate (mutual TLS)")
-    p.add_argument("--key", help="PEM client key (mutual TLS)")
-    p.add_argument("--token-file",
-                   help="file with a bearer token (default: env HOOKSERVE_TOKEN)")
-
-
-def _client(args):
-    from .client import Client
-
-    token = None
-    if getattr(args, "token_file", None):
-        with open(args.token_file) as fh:
-            token = fh.read().strip()
-    servers = args.server if isinstance(args.server, list) else [args.server]
-    return Client(servers, timeout=args.timeout, token=token, root_certificates=args.ca,
-                  certificate_chain=args.cert, private_key=args.key)
+from .cli_args import add_connection_args, make_client, size_arg
+from .tensors import DTYPE_NAMES
+from .types import REDUCTIONS
 
 
 def _serve(args) -> int:
@@ -56,7 +21,7 @@ def _serve(args) -> int:
 
 
 def _describe(args) -> int:
-    with _client(args) as c:
+    with make_client(args) as c:
         d = c.describe(args.model, args.size)
     m = d.model
     print(f"model {m.name} ({m.architecture}) on {m.device}, {m.dtype}; weights: "
@@ -74,7 +39,7 @@ def _describe(args) -> int:
 
 
 def _models(args) -> int:
-    with _client(args) as c:
+    with make_client(args) as c:
         for i, m in enumerate(c.list_models()):
             flag = " (default)" if i == 0 else ""
             print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, weights "
@@ -88,7 +53,7 @@ def _extract(args) -> int:
     layers = [x for s in args.layers for x in s.split(",") if x]
     out: dict[str, np.ndarray] = {}
     failed = 0
-    with _client(args) as c:
+    with make_client(args) as c:
         for r in c.extract_many(args.images, layers, model=args.model,
                                 reduction=args.reduction, dtype=args.dtype,
                                 l2_normalize=args.l2_normalize, native=args.native,
@@ -110,7 +75,7 @@ def _extract(args) -> int:
 def _health(args) -> int:
     from .errors import HookserveError
 
-    with _client(args) as c:
+    with make_client(args) as c:
         try:
             status = c.health(args.service)
         except HookserveError as exc:
@@ -139,11 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help="model name (default: the server's default)")
     s.add_argument("--size", type=size_arg, help="input HxW (or one number) after preprocessing; "
                                   "default: the model's crop size")
-    _client_args(s)
+    add_connection_args(s)
     s.set_defaults(func=_describe)
 
     s = sub.add_parser("models", help="list the models a server holds")
-    _client_args(s)
+    add_connection_args(s)
     s.set_defaults(func=_models)
 
     s = sub.add_parser("extract", help="extract features of a few images to .npz",
@@ -153,30 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", action="append", required=True,
                    help="layer names, comma-separated or repeated")
     s.add_argument("--model", help="model name (default: the server's default)")
-    s.add_argument("--reduction", default="none", choices=["none", "avg", "max", "flatten"])
-    s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    s.add_argument("--reduction", default="none", choices=list(REDUCTIONS))
+    s.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES))
     s.add_argument("--l2-normalize", action="store_true")
     s.add_argument("--native", action="store_true",
                    help="no resize or crop: features at the image's own resolution")
     s.add_argument("--resize", type=int, help="resize the shorter side to this")
     s.add_argument("--crop", type=size_arg, help="centre crop HxW (or one number)")
     s.add_argument("--out", help="write arrays to this .npz (keys: layer, or id:layer)")
-    _client_args(s)
+    add_connection_args(s)
     s.set_defaults(func=_extract)
 
     s = sub.add_parser("health", help="ask the gRPC health service; exit 0 when SERVING",
                        description="Exit 0 when the server reports SERVING, 1 otherwise. "
                                    "Used by the container's HEALTHCHECK.")
     s.add_argument("--service", default="", help="service name ('' = the whole server)")
-    _client_args(s)
+    add_connection_args(s)
     s.set_defaults(func=_health)
 
-    try:
-        from .batch import add_batch_parser
-    except ImportError:  # pragma: no cover - batch is part of the package
-        pass
-    else:
-        add_batch_parser(sub, _client_args)
+    from .batch.cli import add_batch_parser
+    add_batch_parser(sub)
     return p
 
 

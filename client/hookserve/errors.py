@@ -1,4 +1,9 @@
-"""Typed errors of the hookserve SDK. Every error keeps its gRPC status code."""
+"""Typed errors of the hookserve SDK. Every error keeps its gRPC status code.
+
+This is the one place that reads the server's retry hint: ``retry-after-ms`` trailing
+metadata on a failed call (:func:`from_rpc_error`), ``google.rpc.RetryInfo`` in a
+per-image status (:func:`from_status`).
+"""
 
 from __future__ import annotations
 
@@ -90,3 +95,15 @@ def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
             except ValueError:
                 pass
     return error_for(code, details or "", retry_after_s=retry)
+
+
+def from_status(status) -> HookserveError:
+    """The typed error for one image's ``google.rpc.Status`` (code != 0) in a stream."""
+    retry = None
+    for d in status.details:
+        if d.type_url.endswith("google.rpc.RetryInfo"):
+            from google.rpc import error_details_pb2
+            info = error_details_pb2.RetryInfo()
+            d.Unpack(info)
+            retry = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return error_for(status.code, status.message, retry_after_s=retry)

@@ -1,5 +1,9 @@
 """Input discovery for `hookserve batch`: directories, globs, list files, CSV/Parquet.
 
+Listing (:func:`discover`), sharding (:func:`select_shard`) and reading an image's
+bytes (:func:`read_bytes`) are the three things the run needs from its inputs; a new
+input kind adds its listing here and, if its images are not local files, its reader.
+
 Every input becomes a path string. The string is the image's identity everywhere: it
 is sent as the image id, written to the output's `path` column, hashed for
 `--shard`, and compared on resume. Paths are normalised (``os.path.normpath``),
@@ -130,12 +134,7 @@ def select_shard(paths: list[str], shard: tuple[int, int] | None) -> list[str]:
     return [p for p in paths if shard_of(p, n) == i]
 
 
-def safe_relpath(path: str) -> str:
-    """A relative file name for `path` inside an output folder: no leading '/', no '..'."""
-    p = os.path.normpath(path)
-    drive, p = os.path.splitdrive(p)
-    parts = [("__" if part == ".." else part) for part in p.replace("\\", "/").split("/")
-             if part not in ("", ".")]
-    if drive:
-        parts.insert(0, drive.rstrip(":") or "_")
-    return "/".join(parts) or "_"
+def read_bytes(path: str) -> bytes:
+    """An input image's encoded bytes (raises OSError when it cannot be read)."""
+    with open(path, "rb") as fh:
+        return fh.read()

@@ -1,0 +1,22 @@
+"""`hookserve batch`: bulk, resumable, sharded feature extraction to .h5, .parquet or .npy.
+
+See docs/batch.md for the user's view. The package, in the order data flows:
+
+- :mod:`.cli`: the command's flags; :mod:`.spec`: layers checked against the model,
+  and the output's metadata;
+- :mod:`.inputs`: listing, sorting and sharding the inputs, reading their bytes;
+- :mod:`.run`: the run loop (plan, start the streams, write in input order);
+- :mod:`.scheduler`: the shared work list and the parallel extraction streams with
+  the in-flight bound and retries;
+- :mod:`.sinks`: one output format per module, over the crash-safe part writing they
+  share; :mod:`.errors`: exit codes and the errors CSV; :mod:`.progress`: the bar.
+"""
+
+from __future__ import annotations
+
+from .cli import add_batch_parser
+from .errors import EXIT_CANNOT_PROCEED, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED
+from .run import run  # the function (it shadows the module name in this namespace)
+
+__all__ = ["add_batch_parser", "run", "EXIT_OK", "EXIT_SOME_FAILED", "EXIT_CANNOT_PROCEED",
+           "EXIT_INTERRUPTED"]

@@ -1,0 +1,105 @@
+"""The `hookserve batch` command line: its flags and help texts."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cli_args import add_connection_args, size_arg
+from ..tensors import DTYPE_NAMES
+from ..types import REDUCTIONS
+from .errors import EXIT_CANNOT_PROCEED, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED
+from .run import run
+
+EXIT_HELP = f"""\
+exit codes:
+  {EXIT_OK}    every image was written (or was already in the output)
+  {EXIT_SOME_FAILED}    the run finished but some images failed: see the errors file
+  {EXIT_CANNOT_PROCEED}    the run could not proceed: bad arguments, no input, no server
+       reachable, unknown model/layer, output written with other settings or locked
+  {EXIT_INTERRUPTED}  interrupted (SIGINT/SIGTERM): what was done is saved; run again
+"""
+
+OUTPUT_HELP = """\
+outputs (by the extension of --out):
+  .h5 / .hdf5   a dataset per layer [N, ...] plus paths, sha256, size, mtime_ns;
+                metadata in attrs. During a run out.h5 is a small virtual file over
+                out.h5.parts/; at the end it becomes one self-contained file.
+  .parquet      a folder of Parquet parts (one row per image, a fixed-size list
+                column per layer; needs 1-D features: --reduction avg|max|flatten).
+  otherwise     a folder: <layer>/<path>.npy per image and layer, index.jsonl,
+                hookserve.json.
+
+resume: run the same command again. Images already written are skipped (matched by
+path, and checked against the file's size and mtime); failed and missing images are
+tried again. kill -9 loses at most the images in flight.
+"""
+
+
+
+def add_batch_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `hookserve batch` on the `hookserve` command's subparsers."""
+    p = subparsers.add_parser(
+        "batch", help="extract features of many images to .h5, .parquet or .npy files",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Extract layers of every image in folders, globs, or path lists into "
+                    "one output, with progress, resume, retries and sharding.",
+        epilog=OUTPUT_HELP + "\n" + EXIT_HELP)
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="a folder (recursive; files with image extensions), a glob ('**' "
+                        "recurses; quote it), a .txt/.lst list of paths, a .csv/.tsv/"
+                        ".parquet table with a path column, or an image file")
+    p.add_argument("--out", required=True,
+                   help="output: NAME.h5, NAME.parquet, or a folder for .npy files")
+    p.add_argument("--layers", action="append", required=True,
+                   help="layer names, comma-separated or repeated; NAME:REDUCTION sets a "
+                        "reduction per layer (e.g. layer4:avg,fc)")
+    p.add_argument("--model", help="model name (default: the server's default)")
+    p.add_argument("--reduction", default="none", choices=list(REDUCTIONS),
+                   help="reduction for layers without their own (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES),
+                   help="feature dtype; bfloat16 is stored as uint16 bit patterns")
+    p.add_argument("--l2-normalize", action="store_true",
+                   help="divide each image's feature by its L2 norm")
+    p.add_argument("--native", action="store_true",
+                   help="no resize or crop: feature maps follow each image's size")
+    p.add_argument("--resize", type=int, help="resize the shorter side to this")
+    p.add_argument("--crop", type=size_arg, help="centre crop HxW (or one number)")
+    p.add_argument("--path-column", default="path",
+                   help="path column of .csv/.tsv/.parquet inputs (default: %(default)s)")
+    p.add_argument("--root", help="folder that relative paths in list/table inputs are "
+                                  "relative to (default: the working directory)")
+    p.add_argument("--shard", metavar="I/N",
+                   help="take only shard I of N (0-based), chosen by a hash of each path: "
+                        "N jobs with I=0..N-1 cover the input exactly once. Give each "
+                        "shard its own --out")
+    p.add_argument("--streams", type=int, default=4,
+                   help="parallel extraction streams (default: %(default)s)")
+    p.add_argument("--max-in-flight", type=int, default=128,
+                   help="images read and not yet written, over all streams; bounds memory "
+                        "and what a kill can lose (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=5,
+                   help="tries per image on UNAVAILABLE or overload (RESOURCE_EXHAUSTED with a "
+                        "retry hint) before it counts as failed (default: %(default)s)")
+    p.add_argument("--checkpoint", type=int, default=1024, metavar="N",
+                   help=".h5/.parquet: make written images visible as a new part every N "
+                        "images (default: %(default)s), every --checkpoint-secs, or every "
+                        "256 MB. Images are safe from a kill as soon as they are written, "
+                        "checkpoint or not")
+    p.add_argument("--checkpoint-secs", type=float, default=60.0,
+                   help="seconds between checkpoints (default: %(default)s)")
+    p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
+                   help=".h5: at the end keep out.h5 as a virtual file over out.h5.parts/ "
+                        "instead of copying everything into one file")
+    p.add_argument("--errors", help="CSV of failed images: path, code, message "
+                                    "(default: OUT.errors.csv; removed when none failed)")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="show the progress bar (default: only when stderr is a terminal)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--dry-run", action="store_true",
+                   help="count the inputs (and those already in --out) and exit; contacts "
+                        "no server")
+    # --server may be repeated here; streams have no deadline.
+    add_connection_args(p, repeatable=True,
+                        timeout_help="seconds per unary call (streams have no deadline)")
+    p.set_defaults(func=run)
+    return p

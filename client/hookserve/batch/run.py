@@ -1,0 +1,216 @@
+"""The run loop of `hookserve batch`: plan the work, start the streams, write in order.
+
+- Inputs are listed, sorted and sharded up front (:mod:`.inputs`); images already in
+  the output are skipped (:func:`plan`).
+- :class:`~.scheduler.Streams` runs the extraction threads; this module's main thread
+  is the only one that writes, and it writes results **in input order** (a reorder
+  buffer holds at most the in-flight images). So what is written is always a prefix
+  of the work list, and a resumed run produces the same rows in the same order.
+- SIGINT/SIGTERM stop the run cleanly: what was written is saved (exit 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+from .. import errors
+from .errors import (
+    EXIT_CANNOT_PROCEED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    Abort,
+    ErrorsFile,
+    errors_path,
+)
+from .inputs import InputError, discover, parse_shard, select_shard
+from .progress import Progress
+from .scheduler import Item, Scheduler, Streams
+from .sinks import OutputError, Record, ShapeMismatch, Sink, make_sink, peek_done
+from .spec import connect, describe_and_check, parse_layers
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `hookserve batch`; returns the exit code."""
+    try:
+        return _run(args)
+    except Abort as exc:
+        print(f"hookserve batch: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_PROCEED
+
+
+def plan(paths: list[str], done: dict) -> tuple[list[Item], list[tuple[str, str, str]], int]:
+    """-> (work list, failures (path, code, message), images already written)."""
+    failures: list[tuple[str, str, str]] = []
+    work: list[Item] = []
+    skipped = 0
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError as exc:
+            failures.append((p, "NOT_FOUND", f"cannot read: {exc.strerror or exc}"))
+            continue
+        prev = done.get(p)
+        if prev is not None:
+            if (prev[0], prev[1]) == (st.st_size, st.st_mtime_ns):
+                skipped += 1
+            else:
+                failures.append((p, "FAILED_PRECONDITION",
+                                 "file changed since its features were written (size or "
+                                 "mtime differ); its old row is kept: write to a new --out "
+                                 "to extract it again"))
+            continue
+        work.append(Item(len(work), p, st.st_size, st.st_mtime_ns))
+    return work, failures, skipped
+
+
+def _run(args) -> int:
+    try:
+        shard = parse_shard(args.shard) if args.shard else None
+        paths = select_shard(discover(args.inputs, path_column=args.path_column,
+                                      root=args.root), shard)
+    except (InputError, ValueError, OSError) as exc:
+        raise Abort(str(exc)) from None
+    layers = parse_layers(args.layers, args.reduction, args.dtype, args.l2_normalize)
+
+    if args.dry_run:
+        return _dry_run(args, paths)
+    if not paths:
+        raise Abort("no input images found")
+
+    with connect(args) as client:
+        meta, opts = describe_and_check(args, client, layers)
+        try:
+            sink = make_sink(args.out, meta, checkpoint=args.checkpoint,
+                             checkpoint_secs=args.checkpoint_secs,
+                             consolidate=args.consolidate)
+            sink.open()
+        except OutputError as exc:
+            raise Abort(str(exc)) from None
+        work, failures, skipped = plan(paths, sink.done())
+        errs = ErrorsFile(errors_path(args))
+        for f in failures:
+            errs.add(*f)
+        # Half of --max-in-flight goes to the streams' windows; the other half is slack
+        # for answers waiting in the reorder buffer behind a slower image. Without it,
+        # streams would often find no free slot, end, and reopen (a pipeline bubble,
+        # and a new pick of server).
+        streams = max(1, args.streams)
+        window = max(1, args.max_in_flight // (2 * streams))
+        workers = Streams(client, Scheduler(work, args.max_in_flight), layers, opts,
+                          model=args.model, retries=args.retries, streams=streams,
+                          window=window)
+        progress = Progress(len(work), args.progress if args.progress is not None
+                            else sys.stderr.isatty())
+        t0 = time.monotonic()
+        n_done, next_pos = _write_in_order(workers, work, sink, errs, progress, len(failures))
+
+    elapsed = time.monotonic() - t0
+    rate = n_done / elapsed if elapsed > 0 else 0.0
+    n_failed = errs.count
+    summary = (f"hookserve batch: done {n_done}, skipped {skipped}, failed {n_failed}, "
+               f"{rate:.1f} img/s in {elapsed:.1f}s -> {args.out}")
+    if workers.retried:
+        summary += f", retried {workers.retried}"
+    if n_failed:
+        summary += f" (errors: {errs.path})"
+    if workers.fatal is not None:
+        print(summary + "; stopped early", file=sys.stderr)
+        exc = workers.fatal
+        if isinstance(exc, (Abort, errors.HookserveError)):
+            print(f"hookserve batch: {exc}", file=sys.stderr)
+            return EXIT_CANNOT_PROCEED
+        raise exc
+    if workers.interrupted:
+        print(summary + f"; interrupted with {len(work) - next_pos} left: run the same "
+              "command again to finish", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(summary, file=sys.stderr)
+    return EXIT_SOME_FAILED if n_failed else EXIT_OK
+
+
+def _write_in_order(workers: Streams, work: list[Item], sink: Sink, errs: ErrorsFile,
+                    progress: Progress, n_prior: int) -> tuple[int, int]:
+    """The writer: start the streams, write their results in work-list order until
+    all are written, a fatal error, or a signal; then stop and close everything.
+    `n_prior` failures were recorded before the streams started.
+    -> (images written, position reached in the work list)."""
+    def on_signal(signum, frame):
+        workers.interrupt()
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, on_signal)
+    n_done = 0
+    buffered: dict[int, tuple] = {}
+    next_pos = 0
+    try:
+        workers.start()
+        stopping = False
+        while next_pos < len(work):
+            if (workers.fatal is not None or workers.interrupted) and not stopping:
+                stopping = True
+                workers.sched.stop()
+            if stopping and not workers.alive() and workers.results.empty():
+                break
+            try:
+                msg = workers.results.get(timeout=0.5)  # lets signal handlers run
+            except queue.Empty:
+                continue
+            if msg is None:
+                continue
+            item = msg[0]
+            if item.pos >= next_pos and item.pos not in buffered:
+                buffered[item.pos] = msg
+            wrote = 0
+            while next_pos in buffered:  # write in input order
+                item, feats, err = buffered.pop(next_pos)
+                next_pos += 1
+                wrote += 1
+                if err is None:
+                    rec = Record(item.path, item.sha256, item.size, item.mtime_ns,
+                                 dict(feats))
+                    try:
+                        sink.add(rec)
+                        n_done += 1
+                        continue
+                    except ShapeMismatch as exc:
+                        err = errors.InvalidArgument(str(exc))
+                errs.add(item.path, err.code.name, err.message)
+            if wrote:
+                workers.sched.written(wrote)
+                sink.checkpoint()
+            progress.update(n_done, errs.count - n_prior)
+    finally:
+        workers.sched.stop()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        workers.stop()
+        progress.update(n_done, errs.count - n_prior, force=True)
+        progress.finish()
+        complete = next_pos >= len(work)
+        sink.close(complete=complete and workers.fatal is None)
+        errs.close()
+    return n_done, next_pos
+
+
+def _dry_run(args, paths: list[str]) -> int:
+    """Count inputs, and what an existing output already holds; contacts no server."""
+    done: dict = {}
+    out = args.out.rstrip("/")
+    try:
+        done = peek_done(out)
+    except Exception as exc:  # noqa: BLE001 - a dry run only reports
+        print(f"note: cannot read {out}: {exc}", file=sys.stderr)
+    already = sum(1 for p in paths if p in done)
+    shard = f" in shard {args.shard}" if args.shard else ""
+    print(f"{len(paths)} images{shard}; {already} already in {out}; "
+          f"{len(paths) - already} to extract")
+    return EXIT_OK

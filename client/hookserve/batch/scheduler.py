@@ -1,0 +1,252 @@
+"""Parallel extraction streams of `hookserve batch`, fed from one shared work list.
+
+- :class:`Scheduler` hands out work items and bounds those taken and not yet written
+  (``--max-in-flight``), which bounds memory and what a kill can cost. Retries go
+  back to it with a not-before time.
+- :class:`Streams` runs ``--streams`` worker threads, each one ``Client.extract_many``
+  stream fed by a :class:`Feed`. Answers go to :attr:`Streams.results`, a queue that
+  the run's main thread (the only writer) reads.
+- Per-image UNAVAILABLE answers, and RESOURCE_EXHAUSTED ones that carry the server's
+  overload retry hint, are retried (after that hint); a RESOURCE_EXHAUSTED without a
+  hint (the answer or the image is too big) fails at once; a stream that fails as a
+  whole has its unanswered images re-queued. The Client itself already moves a broken
+  stream's unanswered images to the next server, and the writer ignores a second
+  answer for an image, so nothing is lost or written twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import queue
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from .. import errors
+from .errors import Abort
+from .inputs import read_bytes
+
+#: Per-image codes worth another try (possibly on another server).
+RETRY_IMAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+#: Call-level codes after which the stream's unanswered images are re-queued.
+RETRY_STREAM = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def retryable(error) -> bool:
+    """UNAVAILABLE, or RESOURCE_EXHAUSTED from overload (it carries a retry hint); the
+    size limits' RESOURCE_EXHAUSTED would fail again, so it is final."""
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return error.retry_after_s is not None
+    return error.code in RETRY_IMAGE
+
+
+def backoff(attempt: int) -> float:
+    return min(5.0, 0.1 * (2 ** attempt)) * (0.5 + random.random() / 2)
+
+
+@dataclass
+class Item:
+    """One image of the work list."""
+
+    pos: int                    # position in the work list = write order
+    path: str
+    size: int
+    mtime_ns: int
+    attempts: int = 0
+    sha256: str = ""
+
+    def __lt__(self, other: Item) -> bool:
+        return self.pos < other.pos
+
+
+DONE = object()
+
+
+class Scheduler:
+    """The shared work list: hands items to streams, takes them back for retries."""
+
+    def __init__(self, items: list[Item], max_in_flight: int) -> None:
+        self.cond = threading.Condition()
+        self.ready = deque(items)
+        self.retry: list[tuple[float, Item]] = []  # heap of (not before, item)
+        self.in_flight = 0       # taken and not yet written; retries keep their slot
+        self.max_in_flight = max(1, max_in_flight)
+        self.remaining = len(items)
+        self.stopped = False
+        self.stream_failures = 0  # consecutive, reset by any answered image
+
+    def take(self, block: bool):
+        """The next item, None when none is available now (block=False), or DONE."""
+        with self.cond:
+            while True:
+                if self.stopped or self.remaining <= 0:
+                    return DONE
+                now = time.monotonic()
+                if self.retry and self.retry[0][0] <= now:
+                    return heapq.heappop(self.retry)[1]  # already holds a slot
+                if self.ready and self.in_flight < self.max_in_flight:
+                    self.in_flight += 1
+                    return self.ready.popleft()
+                if not block:
+                    return None
+                # Wake on notify (a write freed a slot, a retry was queued, stop) or
+                # when the earliest retry is due.
+                wait = self.retry[0][0] - now if self.retry else None
+                self.cond.wait(timeout=wait)
+
+    def requeue(self, item: Item, delay: float) -> None:
+        with self.cond:
+            heapq.heappush(self.retry, (time.monotonic() + delay, item))
+            self.cond.notify_all()
+
+    def written(self, n: int) -> None:
+        with self.cond:
+            self.in_flight -= n
+            self.remaining -= n
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+
+class Feed:
+    """The image and id iterables of one extract_many stream.
+
+    extract_many pulls the next image only when its window has room, and calls
+    next(ids) right after next(images). The feed must never block while this stream
+    has unanswered images (their answers are read by the same thread), so then it
+    ends the stream instead; the worker opens a new one.
+    """
+
+    def __init__(self, sched: Scheduler, first: Item) -> None:
+        self.sched = sched
+        self.first: Item | None = first
+        self.pending: dict[str, Item] = {}
+        self._ids: deque[str] = deque()
+
+    def images(self):
+        while True:
+            if self.first is not None:
+                item, self.first = self.first, None
+            else:
+                item = self.sched.take(block=not self.pending)
+                if item is None or item is DONE:
+                    return
+            # A server rejects an id seen before on the same stream, and a retry may
+            # land on the stream that pushed the image back: tag each retry's id.
+            sid = item.path if item.attempts == 0 else f"{item.path}#retry{item.attempts}"
+            self.pending[sid] = item
+            self._ids.append(sid)
+            try:
+                data = read_bytes(item.path)
+            except OSError:
+                yield item.path  # the SDK fails it with a clear "could not read" error
+                continue
+            item.sha256 = hashlib.sha256(data).hexdigest()
+            yield data
+
+    def ids(self):
+        while True:
+            yield self._ids.popleft()
+
+
+class Streams:
+    """The worker threads of one run and what they report to the writer.
+
+    :attr:`results` receives ``(item, features, error)`` per finished image, and
+    None to wake the writer (a fatal error, a signal).
+    """
+
+    def __init__(self, client, sched: Scheduler, layers, opts: dict, *, model: str | None,
+                 retries: int, streams: int, window: int) -> None:
+        self.client = client
+        self.sched = sched
+        self.layers = layers
+        self.opts = opts
+        self.model = model
+        self.retries = retries
+        self.window = window
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.fatal: BaseException | None = None
+        self.interrupted = False
+        self.retried = 0  # images sent again (overload, lost server)
+        self.threads = [threading.Thread(target=self._worker, name=f"hookserve-batch-{i}",
+                                         daemon=True) for i in range(max(1, streams))]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+        self.results.put(None)
+
+    def stop(self, timeout: float = 30) -> None:
+        self.sched.stop()
+        for t in self.threads:
+            if t.ident is not None:
+                t.join(timeout=timeout)
+
+    def _worker(self) -> None:
+        sched = self.sched
+        try:
+            while True:
+                first = sched.take(block=True)
+                if first is DONE:
+                    return
+                feed = Feed(sched, first)
+                try:
+                    for r in self.client.extract_many(
+                            feed.images(), self.layers, model=self.model, ids=feed.ids(),
+                            max_in_flight=self.window, **self.opts):
+                        item = feed.pending.pop(r.id, None)
+                        if item is None:  # not ours (cannot happen): never write twice
+                            continue
+                        self._answer(item, r.features, r.error)
+                except errors.HookserveError as exc:
+                    unanswered = list(feed.pending.values())
+                    if exc.code not in RETRY_STREAM:
+                        self._fail(exc)
+                        return
+                    with sched.cond:
+                        sched.stream_failures += 1
+                        give_up = sched.stream_failures > self.retries * 4 + 8
+                    if give_up:
+                        self._fail(Abort(f"no server answered after repeated retries: {exc}"))
+                        return
+                    for item in unanswered:
+                        item.attempts += 1
+                        if item.attempts > self.retries:
+                            self.results.put((item, None, exc))
+                        else:
+                            self.retried += 1
+                            sched.requeue(item, backoff(item.attempts))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            self._fail(exc)
+
+    def _answer(self, item: Item, features, error) -> None:
+        with self.sched.cond:
+            self.sched.stream_failures = 0
+        if error is not None and retryable(error) and item.attempts < self.retries:
+            item.attempts += 1
+            self.retried += 1
+            delay = error.retry_after_s if error.retry_after_s else backoff(item.attempts)
+            self.sched.requeue(item, delay)
+            return
+        self.results.put((item, features, error))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.fatal is None:
+            self.fatal = exc
+        self.results.put(None)  # wake the writer

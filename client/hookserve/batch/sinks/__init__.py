@@ -1,0 +1,55 @@
+"""Output formats of `hookserve batch`, one per module: :mod:`.h5`, :mod:`.parquet`,
+:mod:`.npy`. The crash-safe writing they share (atomic rename, journal, parts, resume,
+lock) is :mod:`.durable`; the Record and Sink interface are :mod:`.base`.
+
+A new format is a module here with a :class:`~.base.Sink` subclass (usually a
+:class:`~.durable.PartSink` that implements ``_write_part`` and ``_read_part``) and a
+``peek_done(out)``, plus one line in :func:`make_sink` and :func:`peek_done`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import OutputError, Record, ShapeMismatch, Sink
+from .durable import journal_append, journal_read
+
+__all__ = ["OutputError", "Record", "ShapeMismatch", "Sink", "journal_append",
+           "journal_read", "make_sink", "peek_done", "format_of"]
+
+
+def format_of(out: str) -> str:
+    """'h5', 'parquet' or 'npy' (a folder), by the extension of `out`."""
+    ext = os.path.splitext(out.rstrip("/"))[1].lower()
+    return {".h5": "h5", ".hdf5": "h5", ".parquet": "parquet"}.get(ext, "npy")
+
+
+def make_sink(out: str, meta: dict, **kw) -> Sink:
+    """The sink for `out`'s extension: .h5/.hdf5, .parquet, anything else a folder."""
+    consolidate = kw.pop("consolidate", True)
+    fmt = format_of(out)
+    if fmt == "h5":
+        from .h5 import H5Sink
+        return H5Sink(out, meta, consolidate=consolidate, **kw)
+    if fmt == "parquet":
+        from .parquet import ParquetSink
+        return ParquetSink(out.rstrip("/"), meta, **kw)
+    from .npy import NpySink
+    return NpySink(out, meta, **kw)
+
+
+def peek_done(out: str) -> dict:
+    """The paths an existing output holds (empty when there is none), read without
+    taking its lock."""
+    fmt = format_of(out)
+    if fmt == "h5":
+        if not os.path.exists(out):
+            return {}
+        from .h5 import peek_done as peek
+    elif fmt == "parquet":
+        if not os.path.isdir(out):
+            return {}
+        from .parquet import peek_done as peek
+    else:
+        from .npy import peek_done as peek
+    return peek(out)

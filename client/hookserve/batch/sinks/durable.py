@@ -1,0 +1,256 @@
+"""Crash-safe writing, shared by every output format of `hookserve batch`.
+
+Crash safety (kill -9 at any instant) rests on two rules:
+
+1. A file is only ever made visible by ``os.rename`` of a complete, flushed temporary
+   file in the same folder (:func:`replace`), so a reader sees the old file or the
+   new one, never half.
+2. Every image is made durable against a process kill as soon as it is written, by
+   appending it to a journal (HDF5, Parquet: :func:`journal_append`) or to the index
+   (npy) with one ``write``. A torn last record is detected (length + CRC32, or a
+   missing newline) and dropped.
+
+:class:`PartSink` collects images into immutable *parts* (HDF5, Parquet). Each image
+first goes to a journal (``.journal-NNNNNN.bin``); every ``checkpoint`` images (or
+seconds, or 256 MB) the buffered images are written as ``part-NNNNNN`` (temp file +
+rename) and the journal is deleted. On start (resume), the parts already there say
+which images are done, and a journal without its part is replayed into that part. A
+part is never rewritten, so a checkpoint costs the new images only, whatever the
+output's size. An output folder is held under an exclusive lock (:class:`Lock`) while
+a run writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import struct
+import time
+import zlib
+
+import numpy as np
+
+from .base import OutputError, Record, Sink, check_meta
+
+#: Buffered feature bytes that force a checkpoint, whatever --checkpoint says.
+CHECKPOINT_BYTES = 256 << 20
+
+
+def fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def replace(tmp: str, final: str) -> None:
+    """Make `tmp` visible as `final` atomically (after flushing it to disk)."""
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    replace(tmp, path)
+
+
+def lock_and_check(folder: str, meta_name: str, meta: dict):
+    """Lock an output folder; an existing metadata file must match this run's settings.
+    -> (lock, metadata path)."""
+    lock = Lock(os.path.join(folder, ".lock"))
+    meta_path = os.path.join(folder, meta_name)
+    if os.path.exists(meta_path):
+        with open(meta_path, encoding="utf-8") as fh:
+            check_meta(json.load(fh), meta, meta_path)
+    return lock, meta_path
+
+
+class Lock:
+    """An exclusive flock so two runs never write the same output at once."""
+
+    def __init__(self, path: str) -> None:
+        self.fh = open(path, "a+")  # noqa: SIM115 - held for the sink's lifetime
+        try:
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.fh.close()
+            raise OutputError(f"{path} is locked: another hookserve batch is writing this "
+                              "output (use a different --out per shard)") from None
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            self.fh.close()
+
+
+_JMAGIC = b"HSJ1"
+_JHEAD = struct.Struct("<4sIQ")  # magic, header length, payload length
+
+
+def journal_append(fh, rec: Record) -> None:
+    """Append one record in a single write: magic, lengths, JSON header, raw arrays, CRC."""
+    layers = [[k, a.dtype.str, list(a.shape)] for k, a in rec.features.items()]
+    header = json.dumps({"path": rec.path, "sha256": rec.sha256, "size": rec.size,
+                         "mtime_ns": rec.mtime_ns, "layers": layers}).encode()
+    payload = b"".join(np.ascontiguousarray(a).tobytes() for a in rec.features.values())
+    crc = zlib.crc32(payload, zlib.crc32(header))
+    fh.write(_JHEAD.pack(_JMAGIC, len(header), len(payload)) + header + payload
+             + struct.pack("<I", crc))
+    fh.flush()  # into the OS: a killed process loses nothing written so far
+
+
+def journal_read(path: str) -> list[Record]:
+    """Every complete record; stops at the first torn or corrupt one."""
+    out: list[Record] = []
+    with open(path, "rb") as fh:
+        data = fh.read()
+    pos = 0
+    while pos + _JHEAD.size <= len(data):
+        magic, hlen, plen = _JHEAD.unpack_from(data, pos)
+        end = pos + _JHEAD.size + hlen + plen + 4
+        if magic != _JMAGIC or end > len(data):
+            break
+        h0 = pos + _JHEAD.size
+        header, payload = data[h0:h0 + hlen], data[h0 + hlen:h0 + hlen + plen]
+        (crc,) = struct.unpack_from("<I", data, end - 4)
+        if zlib.crc32(payload, zlib.crc32(header)) != crc:
+            break
+        h = json.loads(header)
+        feats, off = {}, 0
+        for name, dt, shape in h["layers"]:
+            dtype = np.dtype(dt)
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            feats[name] = np.frombuffer(payload, dtype, offset=off,
+                                        count=n // dtype.itemsize).reshape(shape)
+            off += n
+        out.append(Record(h["path"], h["sha256"], h["size"], h["mtime_ns"], feats))
+        pos = end
+    return out
+
+
+# -- part-based outputs (HDF5, Parquet) -------------------------------------------------
+_PART = re.compile(r"^part-(\d{6,})\.(h5|parquet)$")
+_JOURNAL = re.compile(r"^\.journal-(\d{6,})\.bin$")
+
+
+class PartSink(Sink):
+    ext = ""
+
+    def __init__(self, out: str, meta: dict, parts_dir: str, **kw) -> None:
+        super().__init__(out, meta, **kw)
+        self.dir = parts_dir
+        self.parts: list[tuple[str, int]] = []  # (file name, rows), in order
+        self.buffer: list[Record] = []
+        self.buffer_bytes = 0
+        self.seq = 0
+        self.journal = None
+        self.since = time.monotonic()
+        self.lock: Lock | None = None
+
+    # subclass hooks
+    def _write_part(self, tmp: str, recs: list[Record]) -> None:
+        raise NotImplementedError
+
+    def _read_part(self, path: str) -> tuple[dict, list[tuple[str, int, int, str]],
+                                              dict[str, tuple[tuple[int, ...], str]]]:
+        """-> (metadata, [(path, size, mtime_ns, sha256)], layer shapes)."""
+        raise NotImplementedError
+
+    def _published(self) -> None:
+        """Called after the set of parts changed (HDF5 rewrites its virtual file)."""
+
+    def open(self) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        self.lock, meta_path = lock_and_check(self.dir, "_hookserve.json", self.meta)
+        names = sorted(os.listdir(self.dir))
+        for name in names:
+            if name.startswith(".tmp-"):  # a part or master that never got renamed
+                os.unlink(os.path.join(self.dir, name))
+        for name in names:
+            m = _PART.match(name)
+            if not m or m.group(2) != self.ext:
+                continue
+            meta, rows, shapes = self._read_part(os.path.join(self.dir, name))
+            check_meta(meta, self.meta, os.path.join(self.dir, name))
+            self._adopt_shapes(shapes, name)
+            for p, size, mtime, sha in rows:
+                self._done[p] = (size, mtime, sha)
+            self.parts.append((name, len(rows)))
+            self.seq = max(self.seq, int(m.group(1)) + 1)
+        for name in names:  # journals whose part never got written: replay them
+            m = _JOURNAL.match(name)
+            if not m:
+                continue
+            jpath = os.path.join(self.dir, name)
+            n = int(m.group(1))
+            if f"part-{n:06d}.{self.ext}" in {p for p, _ in self.parts}:
+                os.unlink(jpath)  # killed after the rename, before the unlink
+                continue
+            recs = [r for r in journal_read(jpath) if r.path not in self._done]
+            for r in recs:
+                self.check_shapes(r)
+                self._done[r.path] = (r.size, r.mtime_ns, r.sha256)
+            if recs:
+                self._commit(recs, n)
+            os.unlink(jpath)
+            self.seq = max(self.seq, n + 1)
+        write_json_atomic(meta_path, self.meta)
+        self._published()
+
+    def _adopt_shapes(self, shapes: dict, where: str) -> None:
+        for layer, sd in shapes.items():
+            if layer in self.shapes and self.shapes[layer] != sd:
+                raise OutputError(f"{where}: layer {layer} is {sd}, other parts hold "
+                                  f"{self.shapes[layer]}")
+            self.shapes[layer] = sd
+
+    def add(self, rec: Record) -> None:
+        self.check_shapes(rec)
+        if self.journal is None:
+            self.journal = open(  # noqa: SIM115 - closed at the checkpoint
+                os.path.join(self.dir, f".journal-{self.seq:06d}.bin"), "ab")
+        journal_append(self.journal, rec)
+        self.buffer.append(rec)
+        self.buffer_bytes += rec.nbytes
+        self._done[rec.path] = (rec.size, rec.mtime_ns, rec.sha256)
+        if (len(self.buffer) >= self.checkpoint_n or self.buffer_bytes >= CHECKPOINT_BYTES
+                or time.monotonic() - self.since >= self.checkpoint_secs):
+            self.checkpoint(force=True)
+
+    def checkpoint(self, force: bool = False) -> None:
+        if not self.buffer:
+            self.since = time.monotonic()
+            return
+        if not force and time.monotonic() - self.since < self.checkpoint_secs:
+            return
+        n = self.seq
+        self._commit(self.buffer, n)
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.dir, f".journal-{n:06d}.bin"))
+        self.seq = n + 1
+        self.buffer, self.buffer_bytes, self.since = [], 0, time.monotonic()
+        self._published()
+
+    def _commit(self, recs: list[Record], n: int) -> None:
+        name = f"part-{n:06d}.{self.ext}"
+        tmp = os.path.join(self.dir, f".tmp-{name}")
+        self._write_part(tmp, recs)
+        replace(tmp, os.path.join(self.dir, name))
+        self.parts.append((name, len(recs)))
+
+    def close(self, complete: bool) -> None:
+        self.checkpoint(force=True)
+        if self.lock is not None:
+            self.lock.release()

@@ -1,0 +1,193 @@
+"""The ``.h5`` output: one HDF5 file, a dataset per layer [N, ...] plus paths, sha256,
+size and mtime_ns.
+
+During a run, ``out.h5`` is a small file of HDF5 *virtual datasets* that map onto the
+parts in ``out.h5.parts/`` (rewritten by rename at each checkpoint, so always
+readable). When a run finishes with every image attempted, the parts are copied once
+into a self-contained ``out.h5`` and the folder is removed. A later run hard-links that
+file into a new parts folder as part 0 and goes on from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+from .base import OutputError, Record, check_meta, need
+from .durable import PartSink, fsync_dir, replace
+
+
+class H5Sink(PartSink):
+    """One HDF5 file: a dataset per layer [N, ...], plus paths, sha256, size, mtime_ns."""
+
+    ext = "h5"
+
+    def __init__(self, out: str, meta: dict, *, consolidate: bool = True, **kw) -> None:
+        super().__init__(out, meta, out + ".parts", **kw)
+        self.h5py = need("h5py", "HDF5")
+        self.consolidate = consolidate
+
+    def open(self) -> None:
+        h5py = self.h5py
+        if os.path.exists(self.out):
+            try:
+                with h5py.File(self.out, "r") as f:
+                    layout = f.attrs.get("hookserve_layout", "")
+                    existing = json.loads(f.attrs.get("hookserve", "{}"))
+            except OSError as exc:
+                raise OutputError(f"{self.out} exists and is not a readable HDF5 file "
+                                  f"({exc}): move it away or choose another --out") from None
+            if layout == "single":
+                # A finished output. Any parts folder beside it is a leftover of the
+                # consolidation (killed before it was removed): the file supersedes it.
+                check_meta(existing, self.meta, self.out)
+                if os.path.isdir(self.dir):
+                    shutil.rmtree(self.dir)
+                os.makedirs(self.dir)
+                base = os.path.join(self.dir, "part-000000.h5")
+                try:  # the finished file becomes part 0, without copying its data
+                    os.link(self.out, base)
+                except OSError:
+                    shutil.copyfile(self.out, base + ".copy")
+                    os.replace(base + ".copy", base)
+                fsync_dir(self.dir)
+            elif layout != "virtual":
+                raise OutputError(f"{self.out} exists and was not written by hookserve "
+                                  "batch: move it away or choose another --out")
+        super().open()
+
+    def _write_part(self, tmp: str, recs: list[Record]) -> None:
+        with self.h5py.File(tmp, "w") as f:
+            self._fill(f, recs)
+
+    def _attrs(self, f, layout: str) -> None:
+        f.attrs["hookserve"] = json.dumps(self.meta)
+        f.attrs["hookserve_layout"] = layout
+        for key in ("model", "dtype", "hookserve_version"):
+            f.attrs[key] = str(self.meta.get(key, ""))
+        f.attrs["weights_digest"] = self.meta.get("weights", {}).get("digest", "")
+        f.attrs["layers"] = [layer["name"] for layer in self.meta.get("layers", [])]
+
+    def _layer_attrs(self, ds, layer: str) -> None:
+        for spec in self.meta.get("layers", []):
+            if spec["name"] == layer:
+                ds.attrs["reduction"] = spec["reduction"]
+                ds.attrs["l2_normalize"] = spec["l2_normalize"]
+        ds.attrs["dtype"] = self.meta.get("dtype", "")
+        if self.meta.get("dtype") == "bfloat16":
+            ds.attrs["note"] = ("bfloat16 bit patterns stored as uint16: "
+                                "hookserve.bfloat16_to_float32(a) widens them")
+
+    @staticmethod
+    def _chunks(shape: tuple[int, ...], itemsize: int, n: int) -> tuple[int, ...]:
+        per = max(1, int(np.prod(shape, dtype=np.int64)) * itemsize)
+        rows = max(1, min(max(n, 1), (1 << 20) // per))  # about 1 MiB per chunk
+        return (rows, *shape)
+
+    def _fill(self, f, recs: list[Record]) -> None:
+        h5py = self.h5py
+        n = len(recs)
+        self._attrs(f, "single")
+        f.create_dataset("paths", data=[r.path for r in recs], dtype=h5py.string_dtype())
+        f.create_dataset("sha256", data=np.array([r.sha256.encode() for r in recs], "S64"))
+        f.create_dataset("size", data=np.array([r.size for r in recs], np.int64))
+        f.create_dataset("mtime_ns", data=np.array([r.mtime_ns for r in recs], np.int64))
+        for layer, arr in recs[0].features.items():
+            ds = f.create_dataset(layer, shape=(n, *arr.shape), dtype=arr.dtype,
+                                  chunks=self._chunks(arr.shape, arr.dtype.itemsize, n))
+            for i, r in enumerate(recs):
+                ds[i] = r.features[layer]
+            self._layer_attrs(ds, layer)
+
+    def _read_part(self, path: str):
+        with self.h5py.File(path, "r") as f:
+            meta = json.loads(f.attrs.get("hookserve", "{}"))
+            paths = [p.decode() if isinstance(p, bytes) else p for p in f["paths"][:]]
+            rows = list(zip(paths, f["size"][:].tolist(), f["mtime_ns"][:].tolist(),
+                            [s.decode() for s in f["sha256"][:]], strict=True))
+            shapes = {k: (tuple(f[k].shape[1:]), f[k].dtype.str) for k in f.keys()
+                      if k not in ("paths", "sha256", "size", "mtime_ns")}
+        return meta, rows, shapes
+
+    def _published(self) -> None:
+        """Rewrite out.h5 as virtual datasets over the parts (small: no feature data)."""
+        h5py = self.h5py
+        total = sum(n for _, n in self.parts)
+        rel = os.path.basename(self.dir)
+        tmp = os.path.join(os.path.dirname(os.path.abspath(self.out)),
+                           f".tmp-{os.path.basename(self.out)}")
+        fields = [("paths", h5py.string_dtype(), ()), ("sha256", np.dtype("S64"), ()),
+                  ("size", np.dtype(np.int64), ()), ("mtime_ns", np.dtype(np.int64), ())]
+        fields += [(k, np.dtype(dt), shape) for k, (shape, dt) in self.shapes.items()]
+        with h5py.File(tmp, "w") as f:
+            self._attrs(f, "virtual")
+            f.attrs["parts"] = rel
+            for name, dt, shape in fields:
+                lay = h5py.VirtualLayout(shape=(total, *shape), dtype=dt)
+                start = 0
+                for pname, n in self.parts:
+                    # Relative source names resolve against the folder of out.h5, so
+                    # the pair can be moved together.
+                    lay[start:start + n] = h5py.VirtualSource(
+                        f"{rel}/{pname}", name, shape=(n, *shape))
+                    start += n
+                ds = f.create_virtual_dataset(name, lay)
+                if name in self.shapes:
+                    self._layer_attrs(ds, name)
+        replace(tmp, self.out)
+
+    def close(self, complete: bool) -> None:
+        super().close(complete)
+        if complete and self.consolidate:
+            self._consolidate()
+
+    def _consolidate(self) -> None:
+        """Copy every part into one self-contained file (once, at the end of a run)."""
+        h5py = self.h5py
+        total = sum(n for _, n in self.parts)
+        tmp = os.path.join(os.path.dirname(os.path.abspath(self.out)),
+                           f".tmp-{os.path.basename(self.out)}")
+        with h5py.File(tmp, "w") as f:
+            self._attrs(f, "single")
+            sources = [h5py.File(os.path.join(self.dir, p), "r") for p, _ in self.parts]
+            try:
+                names = ["paths", "sha256", "size", "mtime_ns", *self.shapes]
+                for name in names:
+                    if name == "paths":
+                        dt, shape = h5py.string_dtype(), ()
+                    elif name in self.shapes:
+                        shape, dt = self.shapes[name]
+                    else:
+                        ref = {"sha256": "S64"}.get(name, np.int64)
+                        dt, shape = np.dtype(ref), ()
+                    itemsize = np.dtype(dt).itemsize if name in self.shapes else 8
+                    ds = f.create_dataset(name, shape=(total, *shape), dtype=dt,
+                                          chunks=self._chunks(shape, itemsize, total)
+                                          if total else None)
+                    start = 0
+                    for src, (_, n) in zip(sources, self.parts, strict=True):
+                        step = max(1, (64 << 20) // max(1, itemsize * int(
+                            np.prod(shape, dtype=np.int64))))
+                        for i in range(0, n, step):  # bounded memory per copy
+                            j = min(n, i + step)
+                            ds[start + i:start + j] = src[name][i:j]
+                        start += n
+                    if name in self.shapes:
+                        self._layer_attrs(ds, name)
+            finally:
+                for s in sources:
+                    s.close()
+        replace(tmp, self.out)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+
+def peek_done(out: str) -> dict:
+    """The paths an existing HDF5 output holds, read without taking its lock."""
+    import h5py
+
+    with h5py.File(out, "r") as f:
+        return dict.fromkeys(p.decode() if isinstance(p, bytes) else p for p in f["paths"][:])

@@ -1,0 +1,98 @@
+"""The folder output: ``<layer>/<path>.npy`` per image and layer (each written by
+rename), then one line in ``index.jsonl``; an image counts as written only once its
+line is there. Feature shapes may differ from image to image."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .base import OutputError, Record, ShapeMismatch, Sink
+from .durable import Lock, lock_and_check, write_json_atomic
+
+
+class NpySink(Sink):
+    """A folder: ``<layer>/<path>.npy`` per image and layer, ``index.jsonl``, metadata."""
+
+    fixed_shape = False
+
+    def __init__(self, out: str, meta: dict, **kw) -> None:
+        super().__init__(out, meta, **kw)
+        self.index_path = os.path.join(out, "index.jsonl")
+        self.index = None
+        self.lock: Lock | None = None
+        self.names: dict[str, str] = {}
+
+    def open(self) -> None:
+        if os.path.isfile(self.out):
+            raise OutputError(f"{self.out} is a file; a folder output needs a folder")
+        os.makedirs(self.out, exist_ok=True)
+        self.lock, meta_path = lock_and_check(self.out, "hookserve.json", self.meta)
+        write_json_atomic(meta_path, self.meta)
+        if os.path.exists(self.index_path):
+            with open(self.index_path, "rb+") as fh:
+                data = fh.read()
+                keep = data.rfind(b"\n") + 1
+                if keep != len(data):  # a torn last line: that image was not written
+                    fh.truncate(keep)
+            for line in data[:keep].splitlines():
+                row = json.loads(line)
+                self._done[row["path"]] = (row["size"], row["mtime_ns"], row["sha256"])
+                self.names[row["name"]] = row["path"]
+        self.index = open(self.index_path, "ab")  # noqa: SIM115 - closed in close()
+
+    def name_for(self, path: str) -> str:
+        name = safe_relpath(path)
+        other = self.names.get(name)
+        if other is not None and other != path:
+            raise ShapeMismatch(f"file name {name!r} is already used by {other!r}")
+        return name
+
+    def add(self, rec: Record) -> None:
+        self.check_shapes(rec)
+        name = self.name_for(rec.path)
+        files = {}
+        for layer, arr in rec.features.items():
+            rel = f"{layer}/{name}.npy"
+            final = os.path.join(self.out, rel)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            tmp = os.path.join(os.path.dirname(final), f".tmp-{os.path.basename(final)}")
+            np.save(tmp, arr, allow_pickle=False)
+            os.replace(tmp, final)
+            files[layer] = rel
+        line = json.dumps({"path": rec.path, "sha256": rec.sha256, "size": rec.size,
+                           "mtime_ns": rec.mtime_ns, "name": name, "files": files})
+        self.index.write(line.encode() + b"\n")  # the commit: one write, one line
+        self.index.flush()
+        self.names[name] = rec.path
+        self._done[rec.path] = (rec.size, rec.mtime_ns, rec.sha256)
+
+    def close(self, complete: bool) -> None:
+        if self.index is not None:
+            self.index.flush()
+            os.fsync(self.index.fileno())
+            self.index.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def safe_relpath(path: str) -> str:
+    """A relative file name for `path` inside an output folder: no leading '/', no '..'."""
+    p = os.path.normpath(path)
+    drive, p = os.path.splitdrive(p)
+    parts = [("__" if part == ".." else part) for part in p.replace("\\", "/").split("/")
+             if part not in ("", ".")]
+    if drive:
+        parts.insert(0, drive.rstrip(":") or "_")
+    return "/".join(parts) or "_"
+
+
+def peek_done(out: str) -> dict:
+    """The paths an existing folder output holds, read without taking its lock."""
+    index = os.path.join(out, "index.jsonl")
+    if not os.path.exists(index):
+        return {}
+    with open(index, "rb") as fh:
+        return {json.loads(line)["path"]: True for line in fh if line.endswith(b"\n")}

@@ -1,0 +1,160 @@
+"""The addresses a Client talks to: channels, round-robin, and failover on UNAVAILABLE.
+
+Every call goes through :meth:`Endpoints.call` (unary) or :meth:`Endpoints.stream`
+(a generator of results), which pick the next address that is up, and on UNAVAILABLE
+mark it down for a while and try the next one, up to `retries` times. Any other
+failure, or the last UNAVAILABLE, becomes the SDK's typed error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from . import errors
+from .v1 import hookserve_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+#: Codes on which the SDK moves a call (or a stream's unanswered images) elsewhere.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+#: Client channel limits: chunks are at most 4 MiB; leave headroom.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+def parse_targets(target: str | Sequence[str]) -> tuple[list[str], bool]:
+    """-> (addresses, secure). Accepts host:port, grpc://, grpcs://, dns:///, or a list."""
+    items = [target] if isinstance(target, str) else list(target)
+    if len(items) == 1 and "," in items[0] and not items[0].startswith(("dns:", "ipv4:", "ipv6:")):
+        items = [t.strip() for t in items[0].split(",") if t.strip()]
+    secure = None
+    addrs = []
+    for t in items:
+        s = t.startswith("grpcs://")
+        if t.startswith(("grpcs://", "grpc://")):
+            t = t.split("://", 1)[1]
+        if secure is not None and s != secure:
+            raise ValueError("mix of grpcs:// and plain targets")
+        secure = s
+        addrs.append(t)
+    if not addrs:
+        raise ValueError("no target given")
+    return addrs, bool(secure)
+
+
+def _read(v: bytes | str | os.PathLike | None) -> bytes | None:
+    if v is None or isinstance(v, bytes):
+        return v
+    with open(v, "rb") as fh:
+        return fh.read()
+
+
+class Endpoints:
+    """One channel and stub per address, the auth metadata, and the failover policy."""
+
+    def __init__(self, target: str | Sequence[str], *, token: str | None,
+                 root_certificates: bytes | str | os.PathLike | None = None,
+                 certificate_chain: bytes | str | os.PathLike | None = None,
+                 private_key: bytes | str | os.PathLike | None = None,
+                 retries: int = 3, retry_backoff: float = 0.1,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.addresses, self.secure = parse_targets(target)
+        self.retries = max(0, int(retries))
+        self.retry_backoff = retry_backoff
+        #: Sent with every call: ``authorization: Bearer ...`` when a token is set.
+        self.metadata = (("authorization", f"Bearer {token.strip()}"),) if token else ()
+        opts = list(CHANNEL_OPTIONS) + list(options)
+        creds = None
+        if self.secure or root_certificates or certificate_chain:
+            self.secure = True
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(root_certificates),
+                private_key=_read(private_key), certificate_chain=_read(certificate_chain))
+        self.channels: list[grpc.Channel] = []
+        for addr in self.addresses:
+            o = list(opts)
+            # Names that resolve to several addresses (a headless Service via dns:///,
+            # or gRPC's static ipv4:a:p,b:p list) balance per call over all of them.
+            if addr.startswith(("dns:", "ipv4:", "ipv6:")):
+                o.append(("grpc.lb_policy_name", "round_robin"))
+            ch = (grpc.secure_channel(addr, creds, options=o) if creds
+                  else grpc.insecure_channel(addr, options=o))
+            self.channels.append(ch)
+        self.stubs = [pb_grpc.FeatureExtractorStub(c) for c in self.channels]
+        self._rr = itertools.count(random.randrange(len(self.stubs)))
+        #: monotonic time until which an address that answered UNAVAILABLE is skipped
+        self._down_until = [0.0] * len(self.stubs)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        for ch in self.channels:
+            ch.close()
+
+    def pick(self) -> int:
+        """Next address round-robin, skipping those recently found UNAVAILABLE."""
+        if self.closed:
+            raise ValueError("client is closed")
+        with self._lock:
+            n = len(self.stubs)
+            now = time.monotonic()
+            for _ in range(n):
+                i = next(self._rr) % n
+                if self._down_until[i] <= now:
+                    return i
+            return min(range(n), key=self._down_until.__getitem__)  # all down: soonest back
+
+    def _delay(self, attempt: int) -> float:
+        return min(5.0, self.retry_backoff * (2 ** attempt)) * (0.5 + random.random() / 2)
+
+    def _failed(self, exc: grpc.RpcError, index: int, attempt: int) -> None:
+        """After a failed call on address `index`: return to retry it elsewhere, or
+        raise the typed error. On UNAVAILABLE the address is skipped for a while (at
+        least 1 s); before a retry, the backoff is slept only when no other is up."""
+        if exc.code() not in RETRYABLE:
+            raise errors.from_rpc_error(exc) from None
+        retry = attempt < self.retries
+        delay = self._delay(attempt)
+        with self._lock:
+            now = time.monotonic()
+            self._down_until[index] = now + max(delay, 1.0)
+            others_up = any(t <= now for i, t in enumerate(self._down_until) if i != index)
+        if not retry:
+            raise errors.from_rpc_error(exc) from None
+        if not others_up:
+            time.sleep(delay)
+
+    def call(self, fn: Callable[[pb_grpc.FeatureExtractorStub], T]) -> T:
+        """``fn(stub)`` on the next address, moved to another one on UNAVAILABLE."""
+        for attempt in itertools.count():
+            index = self.pick()
+            try:
+                return fn(self.stubs[index])
+            except grpc.RpcError as exc:
+                self._failed(exc, index, attempt)
+        raise AssertionError("unreachable")
+
+    def stream(self, fn: Callable[[pb_grpc.FeatureExtractorStub], Iterator[T]]
+               ) -> Iterator[T]:
+        """Yield from ``fn(stub)``; on UNAVAILABLE call it again on another address
+        (`fn` keeps whatever state it needs to resume where the last call stopped)."""
+        for attempt in itertools.count():
+            index = self.pick()
+            try:
+                yield from fn(self.stubs[index])
+                return
+            except grpc.RpcError as exc:
+                self._failed(exc, index, attempt)

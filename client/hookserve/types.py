@@ -1,0 +1,181 @@
+"""The SDK's value types (Layer, Result, ModelInfo, ...) and their wire forms.
+
+The reduction and dtype names are listed once here (:data:`REDUCTIONS`) and in
+:mod:`.tensors` (:data:`~.tensors.DTYPE_NAMES`); the CLI's choices come from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import errors
+from .tensors import DTYPE_NAMES
+from .v1 import hookserve_pb2 as pb
+
+#: Reduction name -> wire enum, in the order the CLI lists them.
+REDUCTIONS = {
+    "none": pb.REDUCTION_NONE, "avg": pb.REDUCTION_AVG_POOL, "max": pb.REDUCTION_MAX_POOL,
+    "flatten": pb.REDUCTION_FLATTEN,
+}
+DTYPE_FROM_WIRE = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A requested layer with its reduction (none|avg|max|flatten), dtype and L2 option."""
+
+    name: str
+    reduction: str = "none"
+    dtype: str = "float32"
+    l2_normalize: bool = False
+
+    def to_proto(self) -> pb.LayerRequest:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, "
+                             f"got {self.reduction!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        return pb.LayerRequest(name=self.name, reduction=REDUCTIONS[self.reduction],
+                               dtype=DTYPE_NAMES[self.dtype], l2_normalize=self.l2_normalize)
+
+
+@dataclass
+class Result:
+    """One image's answer from :meth:`Client.extract_many`."""
+
+    #: Position of the image in the input iterable.
+    index: int
+    #: The image's id (its path, or its position as a string, unless ids were given).
+    id: str
+    #: Layer name -> array (read-only when it arrived in one chunk), or None on error.
+    features: dict[str, np.ndarray] | None = None
+    #: The typed error when this image failed; the iteration goes on regardless.
+    error: errors.HookserveError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def raise_for_error(self) -> dict[str, np.ndarray]:
+        if self.error is not None:
+            raise self.error
+        assert self.features is not None
+        return self.features
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A hookable layer, as DescribeModel reports it."""
+
+    name: str
+    module: str
+    type: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes_per_image: int
+    order: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A served model: architecture, weights in use, device, dtype, preprocessing."""
+
+    name: str
+    architecture: str
+    weights_source: str
+    weights_name: str
+    weights_digest: str
+    pretrained: bool
+    weights_verified: bool
+    device: str
+    dtype: str
+    resize: int
+    crop: tuple[int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @classmethod
+    def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
+        p = m.preprocessing
+        return cls(
+            name=m.name, architecture=m.architecture, weights_source=m.weights.source,
+            weights_name=m.weights.name, weights_digest=m.weights.digest,
+            pretrained=m.weights.pretrained, weights_verified=m.weights.verified,
+            device=m.device, dtype=DTYPE_FROM_WIRE.get(m.dtype, "float32"),
+            resize=p.resize, crop=(p.crop_height, p.crop_width),
+            mean=tuple(p.mean), std=tuple(p.std))
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """DescribeModel's answer: the model and every layer at one input size."""
+
+    model: ModelInfo
+    input_size: tuple[int, int]
+    layers: list[LayerInfo] = field(default_factory=list)
+
+    def layer(self, name: str) -> LayerInfo:
+        for li in self.layers:
+            if li.name == name:
+                return li
+        raise KeyError(name)
+
+    @classmethod
+    def from_proto(cls, r: pb.DescribeModelResponse) -> ModelDescription:
+        layers = [LayerInfo(li.name, li.module, li.type, tuple(li.output_shape),
+                            DTYPE_FROM_WIRE.get(li.dtype, "float32"), li.bytes_per_image,
+                            li.order) for li in r.layers]
+        return cls(ModelInfo.from_proto(r.model), (r.input_height, r.input_width), layers)
+
+
+def build_layers(layers: str | Layer | Sequence[str | Layer] | Mapping[str, Any], *,
+                 reduction: str = "none", dtype: str = "float32",
+                 l2_normalize: bool = False) -> list[Layer]:
+    """Normalise the accepted `layers` forms into Layer objects.
+
+    Accepts a name, a Layer, a list of names/Layers, or a mapping of name to None or
+    to a dict of options; options not given per layer come from the keywords.
+    """
+    defaults = {"reduction": reduction, "dtype": dtype, "l2_normalize": l2_normalize}
+    if isinstance(layers, (str, Layer)):
+        layers = [layers]
+    out: list[Layer] = []
+    if isinstance(layers, Mapping):
+        for name, opts in layers.items():
+            out.append(Layer(name, **{**defaults, **(opts or {})}))
+    else:
+        for item in layers:
+            out.append(item if isinstance(item, Layer) else Layer(str(item), **defaults))
+    if not out:
+        raise ValueError("give at least one layer")
+    return out
+
+
+def build_preprocessing(*, native: bool = False, resize: int | None = None,
+                        crop: int | tuple[int, int] | None = None) -> pb.Preprocessing:
+    """Default transforms, `native` resolution, or a custom resize and/or centre crop."""
+    if native:
+        if resize or crop:
+            raise ValueError("native takes no resize or crop")
+        return pb.Preprocessing(mode=pb.Preprocessing.MODE_NATIVE)
+    if resize is None and crop is None:
+        return pb.Preprocessing(mode=pb.Preprocessing.MODE_DEFAULT)
+    ch, cw = (crop, crop) if isinstance(crop, int) else (crop or (0, 0))
+    return pb.Preprocessing(mode=pb.Preprocessing.MODE_RESIZE_CROP, resize=resize or 0,
+                            crop_height=ch, crop_width=cw)
+
+
+def build_spec(layers: Any, model: str | None, *, reduction: str = "none",
+               dtype: str = "float32", l2_normalize: bool = False, native: bool = False,
+               resize: int | None = None,
+               crop: int | tuple[int, int] | None = None) -> pb.ExtractionSpec:
+    """The wire ExtractionSpec of one extract_many call (raises ValueError on bad options)."""
+    return pb.ExtractionSpec(
+        model=model or "",
+        layers=[layer.to_proto() for layer in build_layers(
+            layers, reduction=reduction, dtype=dtype, l2_normalize=l2_normalize)],
+        preprocessing=build_preprocessing(native=native, resize=resize, crop=crop))
