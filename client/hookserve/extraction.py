@@ -6,6 +6,10 @@ gRPC's sender thread drains. The calling thread reads the answers: tensor chunks
 reassembled (:mod:`.tensors`) until the image's status message ends it, and results
 are yielded in input order. If the server goes UNAVAILABLE, :class:`~.endpoints.Endpoints`
 opens the stream again on another address and the unanswered images are re-sent.
+
+The Attribute stream (:mod:`.attribution`) is the same machinery: it subclasses
+:class:`Extraction` and overrides only the hooks that name the RPC, wrap the spec
+and images, take in answer messages and build results.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class _Pending:
     id: str
     image: pb.Image | None          # None: failed locally before sending
     error: errors.HookserveError | None = None
+    #: Per-image request data a subclass sends with the image (Attribute: its target).
+    extra: Any = None
 
 
 class Extraction:
@@ -51,8 +57,45 @@ class Extraction:
         self.next_index = 0
         self.exhausted = False
 
-    def run(self) -> Iterator[Result]:
+    def run(self) -> Iterator[Any]:
         return self.endpoints.stream(self._stream)
+
+    # -- what differs between RPCs (overridden by attribution.AttributionRun) ----------
+    def _open(self, stub: pb_grpc.FeatureExtractorStub, requests: Iterator[Any],
+              timeout: float | None) -> Any:
+        return stub.Extract(requests, timeout=timeout, metadata=self.endpoints.metadata)
+
+    def _spec_request(self) -> Any:
+        return pb.ExtractRequest(spec=self.spec)
+
+    def _image_request(self, p: _Pending) -> Any:
+        return pb.ExtractRequest(image=p.image)
+
+    def _reset(self) -> None:
+        """Forget a partly received answer (a new image, or a new stream)."""
+        self._assembling: dict[str, TensorAssembler] = {}
+        self._features: dict[str, np.ndarray] = {}
+
+    def _add_tensor(self, c: pb.TensorChunk) -> None:
+        a = self._assembling.get(c.layer)
+        if a is None:
+            a = self._assembling[c.layer] = TensorAssembler(c)
+        a.add(c)
+        if a.complete:
+            self._features[c.layer] = a.array()
+            del self._assembling[c.layer]
+
+    def _absorb(self, msg: Any) -> Any:
+        """Take in one answer message; return its status when it ends an image."""
+        which = msg.WhichOneof("payload")
+        if which == "tensor":
+            self._add_tensor(msg.tensor)
+        return msg.status if which == "status" else None
+
+    def _result(self, p: _Pending, error: errors.HookserveError | None) -> Any:
+        if error is not None:
+            return Result(p.index, p.id, error=error)
+        return Result(p.index, p.id, features=self._features)
 
     def _pull(self) -> _Pending | None:
         try:
@@ -89,17 +132,16 @@ class Extraction:
                 yield item
 
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-        call = stub.Extract(gen(), timeout=timeout, metadata=self.endpoints.metadata)
-        requests.put(pb.ExtractRequest(spec=self.spec))
+        call = self._open(stub, gen(), timeout)
+        requests.put(self._spec_request())
         sent = 0
         for p in self.pending:  # re-send what the last stream left unanswered
             if p.image is not None:
-                requests.put(pb.ExtractRequest(image=p.image))
+                requests.put(self._image_request(p))
                 sent += 1
         try:
             responses = iter(call)
-            assembling: dict[str, TensorAssembler] = {}
-            features: dict[str, np.ndarray] = {}
+            self._reset()
             closed = False
             while True:
                 while not self.exhausted and sent < self.window:
@@ -108,11 +150,11 @@ class Extraction:
                         break
                     self.pending.append(p)
                     if p.image is not None:
-                        requests.put(pb.ExtractRequest(image=p.image))
+                        requests.put(self._image_request(p))
                         sent += 1
                 while self.pending and self.pending[0].image is None:
                     p = self.pending.popleft()
-                    yield Result(p.index, p.id, error=p.error)
+                    yield self._result(p, p.error)
                 if not self.pending:
                     if self.exhausted:
                         if not closed:
@@ -126,27 +168,14 @@ class Extraction:
                 if msg is None:
                     raise errors.Internal(
                         "server ended the stream before answering every image")
-                which = msg.WhichOneof("payload")
-                if which == "tensor":
-                    c = msg.tensor
-                    a = assembling.get(c.layer)
-                    if a is None:
-                        a = assembling[c.layer] = TensorAssembler(c)
-                    a.add(c)
-                    if a.complete:
-                        features[c.layer] = a.array()
-                        del assembling[c.layer]
-                    continue
-                if which != "status":
+                status = self._absorb(msg)
+                if status is None:
                     continue
                 p = self.pending.popleft()
                 sent -= 1
-                if msg.status.code == 0:
-                    yield Result(p.index, p.id, features=features)
-                else:
-                    yield Result(p.index, p.id, error=errors.from_status(msg.status))
-                features = {}
-                assembling = {}
+                result = self._result(p, errors.from_status(status) if status.code else None)
+                self._reset()
+                yield result
         finally:
             requests.put(_END)
             call.cancel()
