@@ -41,8 +41,16 @@ bench: $(STAMP)  ## full benchmark table (writes bench/results/*.json)
 bench-quick: $(STAMP)  ## a faster, smaller benchmark run
 	$(PY) bench/run.py --quick
 
+# LitServe goes in .venv (the `peers` extra); kserve pins protobuf < 7, so it gets a
+# venv of its own. Writes bench/results/peers-*.json; table in docs/performance.md.
+bench-peers: $(STAMP)  ## hookserve vs LitServe vs a KServe v2 gRPC server, side by side
+	$(PY) -m pip install -q -e '.[peers]'
+	test -x .venv-kserve/bin/python || $(PYTHON) -m venv .venv-kserve
+	.venv-kserve/bin/python -m pip install -q -r bench/peers/requirements-kserve.txt
+	$(PY) bench/peers/run.py $(ARGS)
+
 docker-smoke: $(STAMP)  ## build the image, run it, extract through it, SIGTERM it
 	bash scripts/docker_smoke.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info client/*.egg-info
+	rm -rf $(VENV) .venv-kserve .pytest_cache .ruff_cache build *.egg-info client/*.egg-info

@@ -1,0 +1,211 @@
+"""hookserve beside LitServe and a KServe v2 gRPC model server, in one run.
+
+    make bench-peers                       # installs the peers, then runs this
+    .venv/bin/python bench/peers/run.py    # if they are installed already
+
+The same work for every server: a torchvision model with seeded random weights, a
+forward hook on one layer, early stop, a reduction (bench/peers/hooked.py; hookserve
+does this itself), default preprocessing of a 224 px JPEG (resize 256, centre crop
+224, ImageNet normalisation). Servers run as subprocesses with the same torch thread
+count and OMP_WAIT_POLICY=PASSIVE; the in-process floor runs in this process while
+they idle. Rows that are compared alternate (per image for latency, per round for
+throughput), so drift in the machine's load hits every column.
+
+  latency   resnet50 layer4 avg, one client, one image at a time: p50/p99 (ms)
+  tput-1    the same, img/s with 1 client
+  tput-8    8 concurrent clients, one image per call: img/s (floor: in-process batch 8)
+  bigmap    vgg16 features.0 float32 (12.8 MB/image), --big-clients clients: MB/s
+
+Prints a table with ratios and writes bench/results/peers-<UTC time>.json and
+bench/results/peers-latest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PEERS = Path(__file__).resolve().parent
+sys.path.insert(0, str(PEERS.parent))
+import callers  # noqa: E402  (bench/peers sibling)
+import report  # noqa: E402
+from common import (  # noqa: E402  (bench/ helpers; sets OMP_WAIT_POLICY first)
+    HOOKSERVE_PORT_RE,
+    Proc,
+    clock,
+    hookserve_argv,
+    images,
+    new_results,
+    pct,
+    write_results,
+)
+from hooked import Hooked  # noqa: E402
+
+WORK = {"pooled": ("resnet50", "layer4", "avg"), "big": ("vgg16", "features.0", "none")}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch intra-op threads in every server and the floor")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="hookserve --max-batch-size and LitServe max_batch_size")
+    ap.add_argument("--delay-ms", type=float, default=5.0, help="hookserve --max-batch-delay-ms")
+    ap.add_argument("--litserve-batch-timeout", type=float, default=0.001,
+                    help="LitServe batch_timeout, seconds (it waits this long for a batch "
+                         "to fill even when one request is alone)")
+    ap.add_argument("--latency-images", type=int, default=60)
+    ap.add_argument("--tput-images", type=int, default=48, help="per round, per server")
+    ap.add_argument("--big-images", type=int, default=16, help="per server")
+    ap.add_argument("--big-clients", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default="hookserve,litserve,kserve",
+                    help="servers beside the floor, comma-separated")
+    ap.add_argument("--hookserve-arg", action="append", default=[],
+                    help="extra `hookserve serve` flag (repeat), e.g. --hookserve-arg=--x")
+    ap.add_argument("--kserve-python", default=str(PEERS.parents[1] / ".venv-kserve/bin/python"),
+                    help="python of the venv that has kserve (it pins protobuf < 7)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    a.device, a.dtype = "cpu", "float32"
+    return a
+
+
+def start(a: argparse.Namespace, which: set[str], say) -> tuple[dict, dict]:
+    """Start the servers; return (procs, {"pooled"|"big": [caller, ...]})."""
+    spec: list[str] = []
+    for arch, layer, reduce in WORK.values():
+        spec += ["--model", arch, "--layer", layer, "--reduce", reduce]
+    procs: dict[str, Proc] = {}
+    use: dict[str, list] = {k: [] for k in WORK}
+    if "hookserve" in which:
+        say("starting hookserve")
+        procs["hookserve"] = p = Proc("hookserve", hookserve_argv(
+            [w[0] for w in WORK.values()], a, *a.hookserve_arg), HOOKSERVE_PORT_RE)
+        for k, (arch, layer, reduce) in WORK.items():
+            use[k].append(callers.HookserveCaller(p.address, arch, layer, reduce))
+    if "litserve" in which:
+        say("starting LitServe")
+        procs["litserve"] = p = Proc("litserve", [
+            sys.executable, str(PEERS / "litserve_server.py"), *spec, "--threads",
+            str(a.threads), "--max-batch-size", str(a.batch), "--batch-timeout",
+            str(a.litserve_batch_timeout)], r"PORT (\d+)")
+        for k, (arch, _, _) in WORK.items():
+            use[k].append(callers.LitServeCaller(p.port, arch))
+        use["pooled"][-1].wait_ready()
+    if "kserve" in which:
+        say("starting the KServe model server")
+        pb = callers.load_v2_protos(a.kserve_python)
+        procs["kserve"] = p = Proc("kserve", [
+            a.kserve_python, str(PEERS / "kserve_server.py"), *spec, "--threads",
+            str(a.threads)], r"PORT (\d+)")
+        for k, (arch, _, _) in WORK.items():
+            use[k].append(callers.KServeCaller(p.address, arch, pb))
+        use["pooled"][-1].wait_ready()
+    return procs, use
+
+
+def latencies(targets: list, data: list[bytes]) -> dict[str, list[float]]:
+    """One image at a time, each image to every target in turn."""
+    conns = [(t.name, *t.connect()) for t in targets]
+    lat: dict[str, list[float]] = {t.name: [] for t in targets}
+    try:
+        for i, b in enumerate(data):
+            for name, extract, _ in conns[i % len(conns):] + conns[:i % len(conns)]:
+                t0 = time.perf_counter()
+                extract(b)
+                lat[name].append(time.perf_counter() - t0)
+    finally:
+        for _, _, close in conns:
+            close()
+    return lat
+
+
+def throughput(target, data: list[bytes], clients: int) -> float:
+    """img/s of `clients` threads, each with its own connection, one image per call."""
+    parts = [data[i::clients] for i in range(clients)]
+    conns = [target.connect() for _ in range(clients)]
+    for extract, _ in conns:
+        extract(data[0])  # connect, warm
+
+    def run(i: int) -> None:
+        extract = conns[i][0]
+        for b in parts[i]:
+            extract(b)
+
+    try:
+        with ThreadPoolExecutor(clients) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(run, range(clients)))
+            return len(data) / (time.perf_counter() - t0)
+    finally:
+        for _, close in conns:
+            close()
+
+
+def floor_batched(hooked: Hooked, data: list[bytes], batch: int) -> float:
+    """The in-process floor for many clients: decode `batch` images, one forward."""
+    t0 = time.perf_counter()
+    for i in range(0, len(data), batch):
+        hooked.extract(data[i:i + batch])
+    return len(data) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    a = parse_args()
+    which = {w.strip() for w in a.only.split(",") if w.strip()}
+    res = new_results(a, {"work": WORK})
+    R = res["rows"]
+    say = clock()
+    floors = {k: Hooked(*w, threads=a.threads) for k, w in WORK.items()}
+    import torch
+
+    res["machine"].update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    img = images(max(a.latency_images, a.tput_images, a.big_images), 224)
+    procs: dict[str, Proc] = {}
+    try:
+        procs, use = start(a, which, say)
+        pooled = [callers.FloorCaller(floors["pooled"]), *use["pooled"]]
+        big = [callers.FloorCaller(floors["big"]), *use["big"]]
+        say("same answer check (image 0) and warm-up")
+        R["check"] = {"pooled": report.same_answers(pooled, img[0]),
+                      "big": report.same_answers(big, img[0])}
+        latencies(pooled, img[:3])
+        say(f"latency: {a.latency_images} images, one at a time, targets interleaved")
+        lat = latencies(pooled, img[:a.latency_images])
+        R["latency"] = {k: {"p50_ms": pct(v, 50) * 1e3, "p99_ms": pct(v, 99) * 1e3,
+                            "mean_ms": sum(v) / len(v) * 1e3} for k, v in lat.items()}
+        acc: dict[str, dict[str, list[float]]] = {"tput1": {}, "tput8": {}}
+        for r in range(a.rounds):
+            part = img[:a.tput_images]
+            for t in pooled:
+                acc["tput1"].setdefault(t.name, []).append(throughput(t, part, 1))
+                acc["tput8"].setdefault(t.name, []).append(
+                    floor_batched(floors["pooled"], part, a.batch)
+                    if isinstance(t, callers.FloorCaller) else throughput(t, part, 8))
+            say(f"  round {r + 1}: " + report.brief(acc))
+        for k, v in acc.items():
+            R[k] = {name: len(xs) / sum(1 / x for x in xs) for name, xs in v.items()}
+        say(f"big map: vgg16 features.0, {a.big_images} images, {a.big_clients} clients")
+        mb = floors["big"].extract(img[:1]).nbytes / 1e6
+        R["bigmap"] = {"image_mb": mb, "mb_s": {
+            t.name: throughput(t, img[:a.big_images],
+                               1 if isinstance(t, callers.FloorCaller) else a.big_clients) * mb
+            for t in big}}
+    finally:
+        for p in procs.values():
+            p.stop()
+    res["seconds"] = time.perf_counter() - say.t0
+    print()
+    print(report.table(R, a))
+    out = write_results(res, a.out, "-peers", latest="peers-latest.json")
+    print(f"\nwrote {out} ({res['seconds']:.0f} s, load {res['machine']['loadavg_start']} "
+          f"-> {res['machine']['loadavg_end']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
