@@ -7,23 +7,31 @@ keep its output somewhere per call, stop the forward once the layer has run (or 
 for the whole network: VGG16 to `features.0` is ~1% of its full forward), reduce,
 and remove the hook state between calls. The in-process floor uses the same code.
 
-Preprocessing is hookserve's default: decode, RGB, resize the short side to 256,
-centre-crop 224, ImageNet mean/std.
+Preprocessing is hookserve's default, done the way hookserve does it (so the answers
+match to float rounding): PIL decode to RGB, resize the short side to 256 (bilinear,
+antialiased, on the uint8 tensor), centre-crop 224, ImageNet mean/std.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
+import os
+import socket
 
-import numpy as np
-import torch
-import torchvision
-from PIL import Image
-from torchvision import transforms
+# Same wait policy as the bench and hookserve under it (see bench/common.py); set
+# before torch loads OpenMP. The bench passes it down in the environment anyway.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-TRANSFORM = transforms.Compose([
-    transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
-    transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torchvision  # noqa: E402
+from PIL import Image  # noqa: E402
+from torchvision.transforms import InterpolationMode  # noqa: E402
+from torchvision.transforms import functional as F  # noqa: E402
+
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
+STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 
 
 class _Stop(Exception):
@@ -48,7 +56,11 @@ class Hooked:
 
     @staticmethod
     def decode(jpeg: bytes) -> torch.Tensor:
-        return TRANSFORM(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+        arr = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+        t = torch.from_numpy(arr.copy()).permute(2, 0, 1)
+        t = F.resize(t, [256], interpolation=InterpolationMode.BILINEAR, antialias=True)
+        t = F.center_crop(t, [224, 224])
+        return (t.float() / 255 - MEAN) / STD
 
     def forward(self, x: torch.Tensor) -> np.ndarray:
         """The hooked forward of a preprocessed batch (N, 3, 224, 224)."""
@@ -65,3 +77,25 @@ class Hooked:
 
     def extract(self, jpegs: list[bytes]) -> np.ndarray:
         return self.forward(torch.stack([self.decode(b) for b in jpegs]))
+
+
+def server_args(*extra: tuple[str, dict]) -> argparse.Namespace:
+    """The peer servers' flags: repeated --model/--layer/--reduce triples, --threads."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", required=True)
+    ap.add_argument("--layer", action="append", required=True)
+    ap.add_argument("--reduce", action="append", required=True)
+    ap.add_argument("--threads", type=int, default=0)
+    for flag, kw in extra:
+        ap.add_argument(flag, **kw)
+    a = ap.parse_args()
+    a.work = list(zip(a.model, a.layer, a.reduce, strict=True))
+    return a
+
+
+def free_port() -> int:
+    """A port that was free a moment ago. The peers insist on a fixed port (bench only:
+    a small race; hookserve itself binds port 0 and logs the port it got)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -12,27 +12,13 @@ serves; the client waits on ServerReady.
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
 import sys
 
-from hooked import Hooked  # bench/peers sibling
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hooked import Hooked, free_port, server_args  # bench/peers sibling
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", action="append", required=True)
-    ap.add_argument("--layer", action="append", required=True)
-    ap.add_argument("--reduce", action="append", required=True)
-    ap.add_argument("--threads", type=int, default=0)
-    a = ap.parse_args()
+    a = server_args()
     # kserve.model_server parses sys.argv when imported: give it only its own flags.
     big = str(64 << 20)
     sys.argv = [sys.argv[0], "--grpc_max_send_message_length", big,
@@ -55,8 +41,7 @@ def main() -> int:
             return InferResponse(response_id=payload.id, model_name=self.name,
                                  infer_outputs=[o])
 
-    models = [HookedModel(m, la, r) for m, la, r in zip(a.model, a.layer, a.reduce,
-                                                          strict=True)]
+    models = [HookedModel(m, la, r) for m, la, r in a.work]
     grpc_port, http_port = free_port(), free_port()
     print(f"PORT {grpc_port}", flush=True)
     kserve.ModelServer(grpc_port=grpc_port, http_port=http_port, workers=1).start(models)
@@ -64,5 +49,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.exit(main())

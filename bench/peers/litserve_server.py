@@ -11,15 +11,12 @@ serves; the client waits for GET /health to answer "ok".
 
 from __future__ import annotations
 
-import argparse
 import base64
-import os
-import socket
 import sys
 
 import litserve as ls
 from fastapi import Response
-from hooked import Hooked  # bench/peers sibling
+from hooked import Hooked, free_port, server_args  # bench/peers sibling
 
 
 class HookedAPI(ls.LitAPI):
@@ -48,25 +45,12 @@ class HookedAPI(ls.LitAPI):
         return Response(content=output.tobytes(), media_type="application/octet-stream")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", action="append", required=True)
-    ap.add_argument("--layer", action="append", required=True)
-    ap.add_argument("--reduce", action="append", required=True)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--max-batch-size", type=int, default=8)
-    ap.add_argument("--batch-timeout", type=float, default=0.001,
-                    help="seconds LitServe waits to fill a batch")
-    a = ap.parse_args()
+    a = server_args(("--max-batch-size", {"type": int, "default": 8}),
+                    ("--batch-timeout", {"type": float, "default": 0.001,
+                                         "help": "seconds LitServe waits to fill a batch"}))
     apis = [HookedAPI(m, la, r, a.threads, max_batch_size=a.max_batch_size,
-                      batch_timeout=a.batch_timeout)
-            for m, la, r in zip(a.model, a.layer, a.reduce, strict=True)]
+                      batch_timeout=a.batch_timeout) for m, la, r in a.work]
     port = free_port()
     print(f"PORT {port}", flush=True)
     server = ls.LitServer(apis, accelerator="cpu", workers_per_device=1, timeout=600)
@@ -76,5 +60,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.exit(main())
