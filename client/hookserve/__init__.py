@@ -7,6 +7,7 @@
 Needs only grpcio, protobuf, numpy (and pillow for PIL inputs); no torch.
 """
 
+from .attribution import Attribution, ClassScore, MapTarget
 from .client import Client, Layer, LayerInfo, ModelDescription, ModelInfo, Result
 from .errors import (
     Cancelled,
@@ -21,6 +22,7 @@ from .errors import (
     Unauthenticated,
     Unavailable,
 )
+from .overlay import overlay
 from .tensors import bfloat16_to_float32
 
 __version__ = "0.1.0"
@@ -30,4 +32,5 @@ __all__ = [
     "HookserveError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unavailable",
     "DeadlineExceeded", "Cancelled", "Unauthenticated", "PermissionDenied",
     "FailedPrecondition", "Internal", "bfloat16_to_float32", "__version__",
+    "Attribution", "ClassScore", "MapTarget", "overlay",
 ]

@@ -7,7 +7,8 @@
     (2048,)
 
 :class:`Client` is a small facade: :mod:`.endpoints` holds the channels and the
-failover, :mod:`.extraction` runs the Extract stream, :mod:`.types` the value types.
+failover, :mod:`.extraction` runs the Extract stream, :mod:`.attribution` the
+Attribute stream on the same machinery, :mod:`.types` the value types.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ import grpc
 import numpy as np
 
 from . import errors
+from .attribution import (
+    AUTO_LAYER,
+    Attribution,
+    AttributionRun,
+    Geometry,
+    build_attribution_spec,
+    request_geometry,
+)
 from .endpoints import RETRYABLE, Endpoints
 from .extraction import Extraction
 from .types import (
@@ -35,7 +44,7 @@ from .types import (
 )
 from .v1 import hookserve_pb2 as pb
 
-__all__ = ["Client", "Layer", "LayerInfo", "ModelDescription", "ModelInfo", "Result",
+__all__ = ["Attribution", "Client", "Layer", "LayerInfo", "ModelDescription", "ModelInfo", "Result",
            "RETRYABLE", "build_layers", "build_preprocessing"]
 
 _HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
@@ -90,6 +99,8 @@ class Client:
         self.max_in_flight = max(1, int(max_in_flight))
         self.retries = self._endpoints.retries
         self.retry_backoff = retry_backoff
+        #: model name ("" = the default) -> its default preprocessing geometry
+        self._geometries: dict[str, Geometry] | None = None
 
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
@@ -183,3 +194,67 @@ class Client:
                           l2_normalize=l2_normalize, native=native, resize=resize, crop=crop)
         window = max(1, int(max_in_flight or self.max_in_flight))
         return Extraction(self._endpoints, spec, images, ids, window, _deadline).run()
+
+    # -- attribution -------------------------------------------------------------------
+    def attribute(self, image: Any, layer: str | None = AUTO_LAYER, method: str = "grad_cam",
+                  target: int | None = None, model: str | None = None, **options: Any
+                  ) -> Attribution:
+        """One image's saliency map. Raises the typed error on failure.
+
+        `layer` defaults to "layer4" for the CAM methods (grad_cam, hires_cam,
+        layer_cam) and to None for the input-space methods (gradient,
+        gradient_x_input, integrated_gradients, smooth_grad), which take none.
+        `target` is the class to explain (default: the predicted one). `options` are
+        those of :meth:`attribute_many`.
+        """
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        (a,) = self.attribute_many([image], layer, method, model=model, targets=[target],
+                                   _deadline=deadline, **options)
+        return a.raise_for_error()
+
+    def attribute_many(self, images: Iterable[Any], layer: str | None = AUTO_LAYER,
+                       method: str = "grad_cam", model: str | None = None, *,
+                       targets: Iterable[int | None] | None = None,
+                       ids: Iterable[str] | None = None, score: str = "logit",
+                       top_k: int = 0, relu: bool | None = None, normalize: bool = False,
+                       upsample: bool = False, steps: int = 0, baseline: str = "zeros",
+                       samples: int = 0, sigma: float = 0.0, seed: int = 0,
+                       native: bool = False, resize: int | None = None,
+                       crop: int | tuple[int, int] | None = None,
+                       max_in_flight: int | None = None,
+                       _deadline: float | None = None) -> Iterator[Attribution]:
+        """Saliency maps of many images on one Attribute stream, one
+        :class:`~hookserve.Attribution` per image, in order; lazy, windowed, with
+        per-image errors and failover exactly as :meth:`extract_many`.
+
+        - `targets`: one class index (or None: the predicted class) per image.
+        - `score`: "logit" (default) or "softmax", the class score explained.
+        - `top_k`: maps for the k most likely classes (images must not set a target).
+        - Post-processing, each off unless asked: `relu` (None: on for the CAM methods),
+          `normalize` (min-max to [0, 1]), `upsample` (CAM maps to the input size).
+        - Integrated Gradients: `steps` (0: 32), `baseline` "zeros" or "black".
+        - SmoothGrad: `samples` (0: 16), `sigma` (0: 0.15 of the input's range), `seed`.
+        - Preprocessing as in :meth:`extract_many` (`native`, `resize`, `crop`).
+
+        The server refuses a request costing more forward-equivalents per image than
+        its ``--max-attribution-cost`` (see docs/attribution.md).
+        """
+        spec = build_attribution_spec(
+            layer, method, model, score=score, top_k=top_k, relu=relu, normalize=normalize,
+            upsample=upsample, steps=steps, baseline=baseline, samples=samples, sigma=sigma,
+            seed=seed, native=native, resize=resize, crop=crop)
+        geometry = request_geometry(native, resize, crop)
+        window = max(1, int(max_in_flight or self.max_in_flight))
+        return AttributionRun(
+            self._endpoints, spec, images, ids, targets, window, _deadline,
+            (lambda: geometry) if geometry is not None
+            else (lambda: self._default_geometry(model or ""))).run()
+
+    def _default_geometry(self, model: str) -> Geometry | None:
+        """A model's default (resize, crop), from one ListModels per Client."""
+        if self._geometries is None:
+            infos = self.list_models()
+            self._geometries = {m.name: (m.resize, m.crop) for m in infos}
+            if infos:
+                self._geometries[""] = self._geometries[infos[0].name]
+        return self._geometries.get(model)

@@ -1,0 +1,261 @@
+"""Saliency maps over the Attribute RPC: the :class:`Attribution` type and the stream.
+
+    >>> a = client.attribute("cat.jpg", layer="layer4", method="grad_cam")
+    >>> a.map.shape, a.target, round(a.prob, 3)
+    ((7, 7), 281, 0.412)
+
+The stream is :class:`~.extraction.Extraction`'s (lazy input, bounded window, answers
+in order, failover re-sends only unanswered images); :class:`AttributionRun` only
+names the RPC, wraps each image with its target, and builds Attributions from the
+summary and map messages. No torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import errors
+from .endpoints import Endpoints
+from .extraction import Extraction, _Pending
+from .types import build_preprocessing
+from .v1 import hookserve_pb2 as pb
+from .v1 import hookserve_pb2_grpc as pb_grpc
+
+#: Method name -> wire enum. The CAM methods explain a layer; the others the input.
+METHODS = {
+    "grad_cam": pb.ATTRIBUTION_METHOD_GRAD_CAM,
+    "hires_cam": pb.ATTRIBUTION_METHOD_HIRES_CAM,
+    "layer_cam": pb.ATTRIBUTION_METHOD_LAYER_CAM,
+    "gradient": pb.ATTRIBUTION_METHOD_GRADIENT,
+    "gradient_x_input": pb.ATTRIBUTION_METHOD_GRADIENT_X_INPUT,
+    "integrated_gradients": pb.ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS,
+    "smooth_grad": pb.ATTRIBUTION_METHOD_SMOOTH_GRAD,
+}
+CAM_METHODS = ("grad_cam", "hires_cam", "layer_cam")
+SCORES = {"logit": pb.ATTRIBUTION_SCORE_LOGIT, "softmax": pb.ATTRIBUTION_SCORE_SOFTMAX}
+BASELINES = {"zeros": pb.ATTRIBUTION_BASELINE_ZEROS, "black": pb.ATTRIBUTION_BASELINE_BLACK}
+#: The layer a CAM method explains when none is given (ResNet's last block).
+DEFAULT_LAYER = "layer4"
+
+
+class _DefaultLayer(str):
+    """The `layer` default: DEFAULT_LAYER for the CAM methods, none for the others."""
+
+    def __repr__(self) -> str:
+        return f"{DEFAULT_LAYER!r} for CAM methods, None otherwise"
+
+
+AUTO_LAYER = _DefaultLayer(DEFAULT_LAYER)
+#: Geometry of the preprocessing: (resize of the shorter side or 0, crop HxW or None).
+Geometry = tuple[int, "tuple[int, int] | None"]
+
+
+@dataclass(frozen=True)
+class ClassScore:
+    """One class's score for one image."""
+
+    index: int
+    logit: float
+    prob: float
+
+
+@dataclass(frozen=True)
+class MapTarget:
+    """What one map explains: its class, the map's range before normalisation, and
+    (Integrated Gradients only) the completeness delta."""
+
+    target: ClassScore
+    min: float
+    max: float
+    delta: float | None = None
+
+
+@dataclass
+class Attribution:
+    """One image's saliency map from :meth:`Client.attribute` / :meth:`Client.attribute_many`.
+
+    ``map`` is float32: ``[h, w]`` at the layer's resolution for the CAM methods
+    (``[H, W]`` with ``upsample=True``), ``[3, H, W]`` over the preprocessed input for
+    the input-space methods, with a leading ``top_k`` dimension when ``top_k >= 2``.
+    The scalar properties (``target``, ``logit``, ``prob``, ``min``, ``max``,
+    ``delta``) describe the first map; ``targets`` lists every map's.
+    """
+
+    #: Position of the image in the input iterable.
+    index: int
+    #: The image's id (its path, or its position as a string, unless ids were given).
+    id: str
+    #: The map (read-only when it arrived in one chunk), or None on error.
+    map: np.ndarray | None = None
+    #: One entry per map (one, or top_k in the order of the map's leading dimension).
+    targets: list[MapTarget] = field(default_factory=list)
+    #: The five most probable classes, highest first.
+    top5: list[ClassScore] = field(default_factory=list)
+    #: The preprocessing geometry the map refers to, for :func:`hookserve.overlay`:
+    #: (resize of the shorter side or 0, centre crop HxW or None); None if unknown.
+    geometry: Geometry | None = None
+    #: The typed error when this image failed; the iteration goes on regardless.
+    error: errors.HookserveError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def raise_for_error(self) -> Attribution:
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def _first(self) -> MapTarget:
+        if not self.targets:
+            raise ValueError(f"image {self.id!r} has no map: {self.error}")
+        return self.targets[0]
+
+    @property
+    def target(self) -> int:
+        """The class the (first) map explains."""
+        return self._first().target.index
+
+    @property
+    def logit(self) -> float:
+        return self._first().target.logit
+
+    @property
+    def prob(self) -> float:
+        return self._first().target.prob
+
+    @property
+    def min(self) -> float:
+        """The map's minimum after ReLU (when on), before normalisation."""
+        return self._first().min
+
+    @property
+    def max(self) -> float:
+        """The map's maximum after ReLU (when on), before normalisation."""
+        return self._first().max
+
+    @property
+    def delta(self) -> float | None:
+        """Integrated Gradients' completeness delta; None for the other methods."""
+        return self._first().delta
+
+
+def _score(c: pb.ClassScore) -> ClassScore:
+    return ClassScore(int(c.class_index), float(c.logit), float(c.probability))
+
+
+def resolve_layer(layer: str | None, method: str) -> str | None:
+    """The layer to send: `layer` as given, or for :data:`AUTO_LAYER` the default."""
+    if layer is AUTO_LAYER:
+        return DEFAULT_LAYER if method in CAM_METHODS else None
+    return layer
+
+
+def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
+                           score: str = "logit", top_k: int = 0, relu: bool | None = None,
+                           normalize: bool = False, upsample: bool = False,
+                           steps: int = 0, baseline: str = "zeros", samples: int = 0,
+                           sigma: float = 0.0, seed: int = 0, native: bool = False,
+                           resize: int | None = None,
+                           crop: int | tuple[int, int] | None = None) -> pb.AttributionSpec:
+    """The wire AttributionSpec (raises ValueError on options that cannot be encoded;
+    the server checks the rest: the layer, method/layer pairing, the cost cap)."""
+    for what, value, table in (("method", method, METHODS), ("score", score, SCORES),
+                               ("baseline", baseline, BASELINES)):
+        if value not in table:
+            raise ValueError(f"{what} must be one of {', '.join(table)}, got {value!r}")
+    for what, value in (("top_k", top_k), ("steps", steps), ("samples", samples),
+                        ("seed", seed)):
+        if int(value) < 0:
+            raise ValueError(f"{what} must be >= 0, got {value}")
+    spec = pb.AttributionSpec(
+        model=model or "", layer=resolve_layer(layer, method) or "", method=METHODS[method],
+        score=SCORES[score],
+        top_k=int(top_k), normalize=normalize, upsample=upsample, ig_steps=int(steps),
+        ig_baseline=BASELINES[baseline], sg_samples=int(samples), sg_sigma=float(sigma),
+        sg_seed=int(seed),
+        preprocessing=build_preprocessing(native=native, resize=resize, crop=crop))
+    if relu is not None:
+        spec.relu = bool(relu)
+    return spec
+
+
+def request_geometry(native: bool, resize: int | None,
+                     crop: int | tuple[int, int] | None) -> Geometry | None:
+    """The geometry the options ask for; None for the model's default (ask the server)."""
+    if native:
+        return (0, None)
+    if resize is None and crop is None:
+        return None
+    c = (crop, crop) if isinstance(crop, int) else (tuple(crop) if crop else None)
+    return (resize or 0, c)
+
+
+class AttributionRun(Extraction):
+    """Owns the stream(s) of one attribute_many call; yields :class:`Attribution`s."""
+
+    def __init__(self, endpoints: Endpoints, spec: pb.AttributionSpec, images: Iterable[Any],
+                 ids: Iterable[str] | None, targets: Iterable[int | None] | None, window: int,
+                 deadline: float | None, geometry: Callable[[], Geometry | None]) -> None:
+        super().__init__(endpoints, spec, images, ids, window, deadline)  # type: ignore[arg-type]
+        self.targets = iter(targets) if targets is not None else None
+        self.geometry = geometry
+
+    def _pull(self) -> _Pending | None:
+        p = super()._pull()
+        if p is not None and self.targets is not None:
+            missing = object()
+            t = next(self.targets, missing)
+            if t is missing:
+                raise ValueError(
+                    f"targets has fewer items than images (ran out at image {p.index})")
+            if t is not None and (isinstance(t, bool) or int(t) != t):
+                raise ValueError(f"target of image {p.index} must be a class index or None, "
+                                 f"got {t!r}")
+            p.extra = None if t is None else int(t)
+        return p
+
+    def _open(self, stub: pb_grpc.FeatureExtractorStub, requests: Iterator[Any],
+              timeout: float | None) -> Any:
+        return stub.Attribute(requests, timeout=timeout, metadata=self.endpoints.metadata)
+
+    def _spec_request(self) -> Any:
+        return pb.AttributeRequest(spec=self.spec)
+
+    def _image_request(self, p: _Pending) -> Any:
+        image = pb.AttributeImage(image=p.image)
+        if p.extra is not None:
+            image.target_class = p.extra
+        return pb.AttributeRequest(image=image)
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._summary: pb.AttributionSummary | None = None
+
+    def _absorb(self, msg: Any) -> Any:
+        which = msg.WhichOneof("payload")
+        if which == "summary":
+            self._summary = msg.summary
+        elif which == "map":
+            self._add_tensor(msg.map)
+        return msg.status if which == "status" else None
+
+    def _result(self, p: _Pending, error: errors.HookserveError | None) -> Attribution:
+        if error is not None:
+            return Attribution(p.index, p.id, error=error)
+        amap = next(iter(self._features.values()), None)
+        s = self._summary
+        if amap is None or s is None:
+            return Attribution(p.index, p.id, error=errors.Internal(
+                "the server ended the image without its "
+                + ("map" if s is not None else "summary")))
+        targets = [MapTarget(_score(t.target), float(t.map_min), float(t.map_max),
+                             float(t.completeness_delta)
+                             if t.HasField("completeness_delta") else None)
+                   for t in s.targets]
+        return Attribution(p.index, p.id, map=amap, targets=targets,
+                           top5=[_score(c) for c in s.top5], geometry=self.geometry())
