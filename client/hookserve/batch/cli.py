@@ -8,6 +8,7 @@ from ..cli_args import add_connection_args, size_arg
 from ..tensors import DTYPE_NAMES
 from ..types import REDUCTIONS
 from .errors import EXIT_CANNOT_PROCEED, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED
+from .inputs import MAX_FILE_BYTES
 from .run import run
 
 EXIT_HELP = f"""\
@@ -72,6 +73,9 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help="take only shard I of N (0-based), chosen by a hash of each path: "
                         "N jobs with I=0..N-1 cover the input exactly once. Give each "
                         "shard its own --out")
+    p.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES, metavar="BYTES",
+                   help="an input file (or tar member) larger than this fails alone with "
+                        "an error row instead of being read (default: %(default)s)")
     p.add_argument("--streams", type=int, default=4,
                    help="parallel extraction streams (default: %(default)s)")
     p.add_argument("--max-in-flight", type=int, default=128,

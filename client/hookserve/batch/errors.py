@@ -30,7 +30,10 @@ class ErrorsFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self.count = 0
-        self._fh = open(path, "w", newline="", encoding="utf-8")  # noqa: SIM115
+        # ids are valid UTF-8 (inputs.encode_name); backslashreplace keeps this file from
+        # ever raising on text that is not
+        self._fh = open(path, "w", newline="", encoding="utf-8",  # noqa: SIM115
+                        errors="backslashreplace")
         self._csv = csv.writer(self._fh)
         self._csv.writerow(["path", "code", "message"])
         self._fh.flush()

@@ -8,21 +8,37 @@ Every input becomes a path string. The string is the image's identity everywhere
 is sent as the image id, written to the output's `path` column, hashed for
 `--shard`, and compared on resume. Paths are normalised (``os.path.normpath``),
 de-duplicated and sorted, so the order is the same on every run of the same command.
+
+A file name that is not valid UTF-8 (any name a POSIX filesystem allows) cannot be
+written as text as it is: its id is :func:`encode_name` of it, where each byte that does
+not decode, and each ``%``, becomes ``%XX``; :func:`decode_name` gives the bytes back.
+Valid UTF-8 names are their own ids.
+
+Only regular files are read (:func:`read_bytes`): a FIFO, socket or device, a file that
+vanished or changed since it was listed, or one over ``--max-file-bytes`` fails alone,
+with its own error row, and never blocks the run.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import glob
 import hashlib
 import os
+import re
+import stat
 from collections.abc import Iterable, Iterator
+
+from .. import errors
 
 #: Extensions picked up when walking a directory (case-insensitive).
 IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
 #: A file with one of these extensions is read as a list of paths, not as an image.
 LIST_EXTS = frozenset({".txt", ".lst"})
 TABLE_EXTS = frozenset({".csv", ".tsv", ".parquet"})
+#: Default of --max-file-bytes: a larger input file fails alone instead of being read.
+MAX_FILE_BYTES = 256 << 20
 
 
 class InputError(Exception):
@@ -38,7 +54,8 @@ def _walk(root: str) -> Iterator[str]:
 
 
 def _list_file(path: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as fh:
+    # surrogateescape: a listed name that is not valid UTF-8 is kept, not a crash
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for line in fh:
             line = line.strip()
             if line and not line.startswith("#"):
@@ -59,7 +76,7 @@ def _table(path: str, column: str) -> list[str]:
                              f"{', '.join(schema.names)}); choose one with --path-column")
         return [str(v) for v in pq.read_table(path, columns=[column]).column(column).to_pylist()
                 if v is not None]
-    with open(path, newline="", encoding="utf-8") as fh:
+    with open(path, newline="", encoding="utf-8", errors="surrogateescape") as fh:
         reader = csv.DictReader(fh, delimiter="\t" if ext == ".tsv" else ",")
         if reader.fieldnames is None or column not in reader.fieldnames:
             raise InputError(f"{path}: no column {column!r} (columns: "
@@ -102,8 +119,12 @@ def discover(specs: Iterable[str], *, path_column: str = "path",
                 found.add(os.path.normpath(p))
             continue
         if glob.has_magic(spec):
+            # not only regular files: a FIFO or socket matched gets its own error row
             found.update(os.path.normpath(p) for p in glob.glob(spec, recursive=True)
-                         if os.path.isfile(p))
+                         if not os.path.isdir(p))
+            continue
+        if os.path.lexists(spec):  # a FIFO, socket, device, dangling link: an error row
+            found.add(os.path.normpath(spec))
             continue
         raise InputError(f"no such file or directory: {spec}")
     return sorted(found)
@@ -134,7 +155,89 @@ def select_shard(paths: list[str], shard: tuple[int, int] | None) -> list[str]:
     return [p for p in paths if shard_of(p, n) == i]
 
 
-def read_bytes(path: str) -> bytes:
-    """An input image's encoded bytes (raises OSError when it cannot be read)."""
-    with open(path, "rb") as fh:
-        return fh.read()
+_SURROGATE = re.compile("[%\udc80-\udcff]")
+_PERCENT = re.compile("%([0-9A-F]{2})")
+
+
+def encode_name(path: str) -> str:
+    """The id of a path (as ``os`` functions return it): the path itself when it is
+    valid UTF-8; otherwise each byte that does not decode and each ``%`` as ``%XX``."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return _SURROGATE.sub(lambda m: "%25" if m.group() == "%" else
+                              f"%{ord(m.group()) - 0xDC00:02X}", path)
+
+
+def decode_name(image_id: str) -> bytes:
+    """The file name bytes an id stands for (inverse of :func:`encode_name` for names
+    that are not valid UTF-8; a valid name is its own id: try it as a path first)."""
+    return os.fsencode(_PERCENT.sub(lambda m: chr(0xDC00 + int(m.group(1), 16))
+                                    if int(m.group(1), 16) >= 0x80 else chr(int(m.group(1), 16)),
+                                    image_id))
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR,
+          "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISDIR,
+          "a directory"))
+
+
+def not_regular(mode: int) -> str | None:
+    """What a non-regular file is ("a FIFO", ...), or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
+               expect: tuple[int, int] | None = None) -> bytes:
+    """An input image's encoded bytes. Only a regular file is read: it is opened
+    non-blocking (a FIFO with no writer cannot hang the run) and checked on the open
+    descriptor. `expect` is (size, mtime_ns) from the listing: a file changed since
+    then fails. Raises a typed :class:`hookserve.HookserveError` naming the problem.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) \
+        | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise _os_error(exc) from None
+    try:
+        st = os.fstat(fd)
+        what = not_regular(st.st_mode)
+        if what:
+            raise errors.InvalidArgument(f"{what}, not a regular file: only regular files "
+                                         "are read")
+        if st.st_size > max_bytes:
+            raise errors.InvalidArgument(f"{st.st_size} bytes, over the per-file cap of "
+                                         f"{max_bytes} (raise --max-file-bytes)")
+        if expect is not None and (st.st_size, st.st_mtime_ns) != expect:
+            raise errors.FailedPrecondition("the file changed between listing and reading "
+                                            "(size or mtime differ): run again to read it")
+        chunks, n = [], 0
+        while n <= max_bytes:
+            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+    except OSError as exc:
+        raise _os_error(exc) from None
+    finally:
+        os.close(fd)
+    if n != st.st_size:
+        raise errors.FailedPrecondition(f"the file changed while it was read ({n} bytes "
+                                        f"read, {st.st_size} listed): run again to read it")
+    return b"".join(chunks)
+
+
+def _os_error(exc: OSError) -> errors.HookserveError:
+    msg = f"cannot read: {exc.strerror or exc}"
+    if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+        return errors.NotFound(msg)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return errors.PermissionDenied(msg)
+    if exc.errno in (errno.ENXIO, errno.EISDIR, errno.ENODEV):
+        return errors.InvalidArgument(msg + ": only regular files are read")
+    return errors.Unavailable(msg) if exc.errno == errno.EIO else errors.NotFound(msg)

@@ -29,7 +29,14 @@ from .errors import (
     ErrorsFile,
     errors_path,
 )
-from .inputs import InputError, discover, parse_shard, select_shard
+from .inputs import (
+    InputError,
+    discover,
+    encode_name,
+    not_regular,
+    parse_shard,
+    select_shard,
+)
 from .progress import Progress
 from .scheduler import Item, Scheduler, Streams
 from .sinks import OutputError, Record, ShapeMismatch, Sink, make_sink, peek_done
@@ -51,12 +58,18 @@ def plan(paths: list[str], done: dict) -> tuple[list[Item], list[tuple[str, str,
     work: list[Item] = []
     skipped = 0
     for p in paths:
+        name = encode_name(p)  # the id: valid UTF-8 whatever the file name's bytes
         try:
             st = os.stat(p)
         except OSError as exc:
-            failures.append((p, "NOT_FOUND", f"cannot read: {exc.strerror or exc}"))
+            failures.append((name, "NOT_FOUND", f"cannot read: {exc.strerror or exc}"))
             continue
-        prev = done.get(p)
+        what = not_regular(st.st_mode)
+        if what:  # never opened: a FIFO would block, a device never ends
+            failures.append((name, "INVALID_ARGUMENT",
+                             f"{what}, not a regular file: only regular files are read"))
+            continue
+        prev = done.get(name)
         if prev is not None:
             if (prev[0], prev[1]) == (st.st_size, st.st_mtime_ns):
                 skipped += 1
@@ -66,7 +79,7 @@ def plan(paths: list[str], done: dict) -> tuple[list[Item], list[tuple[str, str,
                                  "mtime differ); its old row is kept: write to a new --out "
                                  "to extract it again"))
             continue
-        work.append(Item(len(work), p, st.st_size, st.st_mtime_ns))
+        work.append(Item(len(work), p, st.st_size, st.st_mtime_ns, name=name))
     return work, failures, skipped
 
 
@@ -105,7 +118,7 @@ def _run(args) -> int:
         window = max(1, args.max_in_flight // (2 * streams))
         workers = Streams(client, Scheduler(work, args.max_in_flight), layers, opts,
                           model=args.model, retries=args.retries, streams=streams,
-                          window=window)
+                          window=window, max_file_bytes=args.max_file_bytes)
         progress = Progress(len(work), args.progress if args.progress is not None
                             else sys.stderr.isatty())
         t0 = time.monotonic()
@@ -175,7 +188,7 @@ def _write_in_order(workers: Streams, work: list[Item], sink: Sink, errs: Errors
                 next_pos += 1
                 wrote += 1
                 if err is None:
-                    rec = Record(item.path, item.sha256, item.size, item.mtime_ns,
+                    rec = Record(item.name, item.sha256, item.size, item.mtime_ns,
                                  dict(feats))
                     try:
                         sink.add(rec)
@@ -183,7 +196,7 @@ def _write_in_order(workers: Streams, work: list[Item], sink: Sink, errs: Errors
                         continue
                     except ShapeMismatch as exc:
                         err = errors.InvalidArgument(str(exc))
-                errs.add(item.path, err.code.name, err.message)
+                errs.add(item.name, err.code.name, err.message)
             if wrote:
                 workers.sched.written(wrote)
                 sink.checkpoint()
@@ -209,7 +222,7 @@ def _dry_run(args, paths: list[str]) -> int:
         done = peek_done(out)
     except Exception as exc:  # noqa: BLE001 - a dry run only reports
         print(f"note: cannot read {out}: {exc}", file=sys.stderr)
-    already = sum(1 for p in paths if p in done)
+    already = sum(1 for p in paths if encode_name(p) in done)
     shard = f" in shard {args.shard}" if args.shard else ""
     print(f"{len(paths)} images{shard}; {already} already in {out}; "
           f"{len(paths) - already} to extract")

@@ -29,7 +29,7 @@ import grpc
 
 from .. import errors
 from .errors import Abort
-from .inputs import read_bytes
+from .inputs import MAX_FILE_BYTES, encode_name, read_bytes
 
 #: Per-image codes worth another try (possibly on another server).
 RETRY_IMAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -55,11 +55,15 @@ class Item:
     """One image of the work list."""
 
     pos: int                    # position in the work list = write order
-    path: str
+    path: str                   # as os functions take it (may hold surrogate escapes)
     size: int
     mtime_ns: int
     attempts: int = 0
     sha256: str = ""
+    name: str = ""              # its id: inputs.encode_name(path), valid UTF-8
+
+    def __post_init__(self) -> None:
+        self.name = self.name or encode_name(self.path)
 
     def __lt__(self, other: Item) -> bool:
         return self.pos < other.pos
@@ -126,11 +130,13 @@ class Feed:
     ends the stream instead; the worker opens a new one.
     """
 
-    def __init__(self, sched: Scheduler, first: Item) -> None:
+    def __init__(self, sched: Scheduler, first: Item, failed, max_file_bytes: int) -> None:
         self.sched = sched
         self.first: Item | None = first
         self.pending: dict[str, Item] = {}
         self._ids: deque[str] = deque()
+        self.failed = failed            # failed(item, error): a file that cannot be read
+        self.max_file_bytes = max_file_bytes
 
     def images(self):
         while True:
@@ -140,16 +146,17 @@ class Feed:
                 item = self.sched.take(block=not self.pending)
                 if item is None or item is DONE:
                     return
+            try:  # a FIFO, device, vanished or changed file fails here, never blocks
+                data = read_bytes(item.path, self.max_file_bytes,
+                                  (item.size, item.mtime_ns))
+            except errors.HookserveError as exc:
+                self.failed(item, exc)
+                continue
             # A server rejects an id seen before on the same stream, and a retry may
             # land on the stream that pushed the image back: tag each retry's id.
-            sid = item.path if item.attempts == 0 else f"{item.path}#retry{item.attempts}"
+            sid = item.name if item.attempts == 0 else f"{item.name}#retry{item.attempts}"
             self.pending[sid] = item
             self._ids.append(sid)
-            try:
-                data = read_bytes(item.path)
-            except OSError:
-                yield item.path  # the SDK fails it with a clear "could not read" error
-                continue
             item.sha256 = hashlib.sha256(data).hexdigest()
             yield data
 
@@ -166,8 +173,10 @@ class Streams:
     """
 
     def __init__(self, client, sched: Scheduler, layers, opts: dict, *, model: str | None,
-                 retries: int, streams: int, window: int) -> None:
+                 retries: int, streams: int, window: int,
+                 max_file_bytes: int = MAX_FILE_BYTES) -> None:
         self.client = client
+        self.max_file_bytes = max_file_bytes
         self.sched = sched
         self.layers = layers
         self.opts = opts
@@ -205,7 +214,8 @@ class Streams:
                 first = sched.take(block=True)
                 if first is DONE:
                     return
-                feed = Feed(sched, first)
+                feed = Feed(sched, first, lambda item, exc: self.results.put((item, None, exc)),
+                            self.max_file_bytes)
                 try:
                     for r in self.client.extract_many(
                             feed.images(), self.layers, model=self.model, ids=feed.ids(),

@@ -1,0 +1,171 @@
+"""`hookserve batch` over every kind of name and file a filesystem allows (issue 12,
+defects 4 and 5): each is processed or gets its own error row, the run never hangs or
+crashes, the errors CSV is always valid UTF-8, and resume works.
+
+The end-to-end runs go through a subprocess with a deadline, so a hang (the old
+behaviour on a FIFO) fails the test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hookserve import errors
+from hookserve.batch.inputs import decode_name, encode_name, read_bytes
+from hookserve.batch.run import plan
+from hookserve.batch.scheduler import Scheduler, Streams
+from hookserve.types import Layer
+
+from conftest import encode, rand_image
+
+OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]
+BAD_UTF8 = b"bad\xff\xfe name%41.png"          # not UTF-8, and holds a literal '%'
+ODD_TEXT = 'new\nline, "quoted" \'x\'.jpg'      # newline, comma, quotes: valid UTF-8
+
+
+def _png(seed: int) -> bytes:
+    return encode(rand_image(32, 32, seed=seed), "PNG")
+
+
+@pytest.fixture
+def odd_folder(tmp_path):
+    """Good images under odd names, and one of each kind of file that must not be read."""
+    root = tmp_path / "in"
+    root.mkdir()
+    good = {"plain.png": _png(1), ODD_TEXT: _png(2), "dir.jpg/inside.png": _png(3)}
+    for name, data in good.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    with open(os.path.join(os.fsencode(root), BAD_UTF8), "wb") as fh:
+        fh.write(_png(4))
+    os.mkfifo(root / "fifo.jpg")                       # old code: blocked forever here
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(root / "sock.png"))
+    os.symlink("loop.jpg", root / "loop.jpg")           # a symlink loop
+    os.symlink("missing.png", root / "dangling.png")    # a dangling symlink
+    big = encode(rand_image(400, 400, seed=5), "PNG")
+    assert len(big) > 20000 > max(len(d) for d in good.values())
+    (root / "big.png").write_bytes(big)
+    listing = tmp_path / "list.txt"  # a character device, named explicitly
+    listing.write_text("/dev/null\n")
+    yield root, listing
+    sock.close()
+
+
+def _ids_good(root) -> set[str]:
+    base = os.fsencode(root)
+    names = [b"plain.png", ODD_TEXT.encode(), b"dir.jpg/inside.png", BAD_UTF8]
+    return {encode_name(os.fsdecode(os.path.join(base, n))) for n in names}
+
+
+def _run(server, *argv, timeout: float = 120):
+    cmd = [sys.executable, "-m", "hookserve.cli", "batch", *argv, "--server",
+           server.address, *OPTS]
+    return subprocess.run(cmd, capture_output=True, timeout=timeout,
+                           env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "npy"])
+def test_odd_files_each_get_a_row_and_resume_works(fmt, odd_folder, server, tmp_path):
+    root, listing = odd_folder
+    out = tmp_path / ("out.parquet" if fmt == "parquet" else "out")
+    argv = [str(root), str(listing), "--out", str(out), "--max-file-bytes", "20000"]
+    p = _run(server, *argv)
+    assert p.returncode == 1, p.stderr.decode(errors="replace")  # some failed, none hung
+    errs_path = str(out) + ".errors.csv"
+    with open(errs_path, newline="", encoding="utf-8") as fh:  # valid UTF-8, parses
+        rows = {r["path"]: (r["code"], r["message"]) for r in csv.DictReader(fh)}
+    j = lambda n: os.path.join(str(root), n)  # noqa: E731
+    assert rows[j("fifo.jpg")][0] == "INVALID_ARGUMENT" and "FIFO" in rows[j("fifo.jpg")][1]
+    assert rows[j("sock.png")][0] == "INVALID_ARGUMENT" and "socket" in rows[j("sock.png")][1]
+    assert rows["/dev/null"][0] == "INVALID_ARGUMENT" and "device" in rows["/dev/null"][1]
+    assert rows[j("loop.jpg")][0] == "NOT_FOUND"
+    assert rows[j("dangling.png")][0] == "NOT_FOUND"
+    assert rows[j("big.png")][0] == "INVALID_ARGUMENT"
+    assert "--max-file-bytes" in rows[j("big.png")][1]
+    assert len(rows) == 6  # one row each, nothing else failed
+
+    if fmt == "parquet":
+        written = pq.read_table(out, columns=["path"]).column("path").to_pylist()
+    else:
+        import json
+        with open(out / "index.jsonl", encoding="utf-8") as fh:
+            written = [json.loads(line)["path"] for line in fh]
+        for pid in written:  # the .npy file of every odd name exists
+            assert os.path.exists(out / "fc" / (pid.lstrip("/") + ".npy")), pid
+    assert sorted(written) == sorted(_ids_good(root))
+    bad_id = encode_name(os.fsdecode(os.path.join(os.fsencode(root), BAD_UTF8)))
+    assert "%FF%FE" in bad_id and "%2541" in bad_id
+    assert decode_name(bad_id) == os.path.join(os.fsencode(root), BAD_UTF8)  # reversible
+
+    again = _run(server, *argv)  # resume: same failures, nothing written twice
+    assert again.returncode == 1, again.stderr.decode(errors="replace")
+    assert b"skipped 4" in again.stderr
+    if fmt == "parquet":
+        assert sorted(pq.read_table(out, columns=["path"]).column("path").to_pylist()) == \
+            sorted(written)
+
+
+def test_vanished_and_changed_files_fail_alone(tmp_path, server, client):
+    """Listed, then gone or rewritten before the stream reads them: own rows, the rest
+    goes on (the real scheduler and streams, against the real server)."""
+    paths = []
+    for i in range(4):
+        p = tmp_path / f"{i}.png"
+        p.write_bytes(_png(10 + i))
+        paths.append(str(p))
+    work, failures, skipped = plan(paths, {})
+    assert len(work) == 4 and not failures
+    os.unlink(paths[1])                               # vanished after listing
+    with open(paths[2], "ab") as fh:                  # changed after listing
+        fh.write(b"more")
+    streams = Streams(client, Scheduler(work, 8), [Layer("fc")],
+                      {"resize": 32, "crop": (32, 32)}, model=None, retries=1, streams=2,
+                      window=2)
+    streams.start()
+    got = {}
+    while len(got) < 4:
+        item, feats, err = streams.results.get(timeout=60)
+        got[item.pos] = err
+        streams.sched.written(1)
+    streams.stop()
+    assert got[0] is None and got[3] is None
+    assert isinstance(got[1], errors.NotFound)
+    assert isinstance(got[2], errors.FailedPrecondition) and "changed" in got[2].message
+
+
+def test_read_bytes_checks_the_open_file(tmp_path):
+    f = tmp_path / "a.png"
+    f.write_bytes(b"12345")
+    st_ = os.stat(f)
+    assert read_bytes(str(f), 5, (5, st_.st_mtime_ns)) == b"12345"
+    with pytest.raises(errors.InvalidArgument, match="max-file-bytes"):
+        read_bytes(str(f), 4)
+    with pytest.raises(errors.FailedPrecondition):
+        read_bytes(str(f), 100, (4, st_.st_mtime_ns))
+    os.mkfifo(tmp_path / "p.jpg")
+    with pytest.raises(errors.InvalidArgument, match="FIFO"):
+        read_bytes(str(tmp_path / "p.jpg"))  # returns at once: opened non-blocking
+    with pytest.raises(errors.InvalidArgument, match="directory"):
+        read_bytes(str(tmp_path))
+
+
+@given(st.binary(min_size=1, max_size=40).filter(lambda b: b"\0" not in b and b"/" not in b))
+def test_name_encoding_is_reversible_and_utf8(raw):
+    name = os.fsdecode(raw)
+    enc = encode_name(name)
+    enc.encode("utf-8")  # never raises: ids and CSV rows are valid UTF-8
+    try:
+        raw.decode("utf-8")
+        assert enc == name  # valid names are their own ids
+    except UnicodeDecodeError:
+        assert decode_name(enc) == raw
