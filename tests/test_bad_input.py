@@ -347,7 +347,7 @@ def test_activation_memory_is_bounded_whatever_the_requested_layer(limited):
 
 def test_duplicate_ids_are_remembered_within_a_bounded_history(server, monkeypatch):
     # Endless streams must not grow without bound: only the last ID_HISTORY ids count.
-    from hookserve_server import engine as engine_mod
+    from hookserve_server.engine import session as engine_mod
 
     monkeypatch.setattr(engine_mod, "ID_HISTORY", 3)
     img = rand_image(32, 32)

@@ -293,7 +293,8 @@ def test_gpu_decode_flag_falls_back_to_cpu_decoding(make_server):
 def test_device_jpeg_decode_path_matches_cpu_path():
     """The --gpu-decode functions, run with device=cpu (the only device here)."""
     from hookserve_server import preprocess as pp
-    from hookserve_server.engine import decode_jpeg_on_device, geometry_on_tensor
+    from hookserve_server.preprocess.geometry import geometry_on_tensor
+    from hookserve_server.preprocess.gpu_decode import decode_jpeg_on_device
     from hookserve_server.spec import ImageInput, Preprocess
 
     cpu = torch.device("cpu")

@@ -11,7 +11,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from .engine import Telemetry
+from .telemetry import Telemetry
 
 _LAT = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 

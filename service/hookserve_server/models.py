@@ -1,4 +1,4 @@
-"""Architectures, weights loading, and the per-model layer table.
+"""Architectures, weights loading, and ServedModel (a model on its device).
 
 Adding a torchvision architecture is one line in ``ARCHITECTURES``.
 """
@@ -9,8 +9,6 @@ import hashlib
 import logging
 import os
 import socket
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +16,10 @@ import torch
 import torchvision
 from torch import nn
 
-from .errors import ConfigError, InvalidArgument
+from .capture.reduce import DTYPES
+from .capture.table import LayerInfo, LayerTables, call_index
+from .errors import ConfigError
+from .spec import DType
 
 log = logging.getLogger("hookserve.models")
 
@@ -29,8 +30,6 @@ ARCHITECTURES: tuple[str, ...] = (
     "vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn",
 )
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 WEIGHT_CHOICES = ("auto", "imagenet", "random")
 #: Seconds without progress before a weights download is given up.
 DOWNLOAD_TIMEOUT_S = 30.0
@@ -43,17 +42,6 @@ class WeightsInfo:
     digest: str          # "sha256:..."
     pretrained: bool
     verified: bool = False
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    name: str
-    module: str
-    type: str
-    shape: tuple[int, ...]   # per image, no batch dimension
-    dtype: str
-    bytes_per_image: int
-    order: int
 
 
 @dataclass(frozen=True)
@@ -243,8 +231,8 @@ class ServedModel:
         self.arch = arch
         self.weights = weights
         self.device = device
-        self.dtype = dtype
-        self.torch_dtype = TORCH_DTYPES[dtype]
+        self.dtype = DType[dtype.upper()]
+        self.torch_dtype = DTYPES[self.dtype]
         self.channels_last = channels_last
         self.defaults = defaults_for(arch)
         module.eval().requires_grad_(False)
@@ -255,68 +243,11 @@ class ServedModel:
         self.modules: dict[str, nn.Module] = dict(module.named_modules())
         self.mean = torch.tensor(self.defaults.mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(self.defaults.std, device=device).view(1, 3, 1, 1)
-        with torch.device("meta"):
-            self._meta = torchvision.models.get_model(arch, weights=None)
-        self._meta.eval().requires_grad_(False).to(dtype=self.torch_dtype)
-        self._meta_lock = threading.Lock()
-        self._tables: OrderedDict[tuple[int, int], dict[str, LayerInfo]] = OrderedDict()
-        default_table = self.layer_table(*self.defaults.crop)
+        self.tables = LayerTables(name, arch, self.torch_dtype)
         #: layer name -> (module path, call index)
-        self.layer_index = {n: (li.module, _call_index(n, li.module))
-                            for n, li in default_table.items()}
+        self.layer_index = {n: (li.module, call_index(n, li.module))
+                            for n, li in self.layer_table(*self.defaults.crop).items()}
 
     def layer_table(self, height: int, width: int) -> dict[str, LayerInfo]:
-        """Every hookable layer at input HxW, in execution order (cached, LRU)."""
-        key = (int(height), int(width))
-        with self._meta_lock:
-            table = self._tables.get(key)
-            if table is not None:
-                self._tables.move_to_end(key)
-                return table
-            table = self._dry_run(*key)
-            self._tables[key] = table
-            while len(self._tables) > 512:
-                self._tables.popitem(last=False)
-            return table
-
-    def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
-        # The "verbose execution" recipe: a hook on every module records outputs.
-        found: list[tuple[str, str, str, torch.Tensor]] = []
-        calls: dict[str, int] = {}
-        handles = []
-        for path, mod in self._meta.named_modules():
-            if not path:
-                continue
-
-            def hook(m, args, out, path=path):
-                k = calls.get(path, 0)
-                calls[path] = k + 1
-                if isinstance(out, torch.Tensor):
-                    name = path if k == 0 else f"{path}_{k}"
-                    found.append((name, path, type(m).__name__, out))
-
-            handles.append(mod.register_forward_hook(hook))
-        try:
-            x = torch.empty(1, 3, height, width, device="meta", dtype=self.torch_dtype)
-            with torch.inference_mode():
-                self._meta(x)
-        except RuntimeError as exc:
-            raise InvalidArgument(
-                f"input {height}x{width} is too small or invalid for {self.name}: {exc}"
-            ) from None
-        finally:
-            for h in handles:
-                h.remove()
-        table = {}
-        for order, (name, path, typ, out) in enumerate(found):
-            shape = tuple(int(s) for s in out.shape[1:])
-            n = 1
-            for s in shape:
-                n *= s
-            table[name] = LayerInfo(name, path, typ, shape, DTYPE_NAMES.get(out.dtype, "float32"),
-                                    n * out.element_size(), order)
-        return table
-
-
-def _call_index(name: str, module: str) -> int:
-    return 0 if name == module else int(name[len(module) + 1:])
+        """Every hookable layer at input HxW, in execution order (capture/table.py)."""
+        return self.tables.at(height, width)

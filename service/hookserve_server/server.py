@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hookserve.v1 import hookserve_pb2 as pb
 
+from .allocator import keep_large_buffers_on_heap
 from .engine import Engine
 from .servicer import Servicer
 from .stream_caps import SIDE_STREAMS, StreamCaps, same_shape
@@ -109,7 +110,8 @@ class HookServer:
     def __init__(self, engine: Engine, opts: ServerOptions) -> None:
         self.engine = engine
         self.opts = opts
-        self.servicer = Servicer(engine, chunk_bytes=opts.chunk_bytes,
+        keep_large_buffers_on_heap()  # streamed chunks: see allocator.py
+        self.servicer = Servicer(engine, engine.telemetry, chunk_bytes=opts.chunk_bytes,
                                  max_streams=opts.max_streams)
         self.stream_caps = StreamCaps(opts.max_side_streams, opts.stream_idle_seconds)
         interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []

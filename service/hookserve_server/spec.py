@@ -1,13 +1,53 @@
-"""Domain objects the servicer hands to the engine (no protobuf, no grpc)."""
+"""Domain objects passed between the servicer and the engine (no protobuf, grpc, torch).
+
+The enums are the domain side of the proto's enums: each member's value is its
+number in ``hookserve.v1`` (wire.py converts with ``Reduction(n)``), and ``label`` is
+the short name used in messages and logs. What a reduction or dtype *does* is one
+entry in :mod:`hookserve_server.capture.reduce`; tests/test_contract.py checks that
+the proto, these enums and that table agree.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-REDUCTIONS = ("none", "avg", "max", "flatten")
-DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-MODES = ("default", "resize_crop", "native")
+from .errors import HookserveError
+
+
+class _Labelled(enum.Enum):
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def labels(cls) -> str:
+        return ", ".join(m.label for m in cls)
+
+
+class Reduction(_Labelled):
+    """What is done to a layer's output per image (hookserve.v1.Reduction)."""
+
+    NONE = 1
+    AVG = 2
+    MAX = 3
+    FLATTEN = 4
+
+
+class DType(_Labelled):
+    """Element type of a returned tensor (hookserve.v1.DType)."""
+
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+
+
+class Mode(_Labelled):
+    """Preprocessing geometry (hookserve.v1.Preprocessing.Mode)."""
+
+    DEFAULT = 1
+    RESIZE_CROP = 2
+    NATIVE = 3
 
 
 @dataclass(frozen=True)
@@ -15,36 +55,26 @@ class LayerSpec:
     """One requested layer and what to do with its output."""
 
     name: str
-    reduction: str = "none"
-    dtype: str = "float32"
+    reduction: Reduction = Reduction.NONE
+    dtype: DType = DType.FLOAT32
     l2_normalize: bool = False
-
-    def reduced_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Per-image shape after the reduction, given the layer's per-image shape."""
-        if self.reduction in ("avg", "max"):
-            return (shape[0],)
-        if self.reduction == "flatten":
-            n = 1
-            for s in shape:
-                n *= s
-            return (n,)
-        return tuple(shape)
-
-    def reduced_bytes(self, shape: tuple[int, ...]) -> int:
-        n = 1
-        for s in self.reduced_shape(shape):
-            n *= s
-        return n * DTYPE_SIZE[self.dtype]
 
 
 @dataclass(frozen=True)
 class Preprocess:
-    """Geometry of preprocessing. ``default`` uses the model's own transforms."""
+    """Geometry of preprocessing. ``DEFAULT`` uses the model's own transforms.
 
-    mode: str = "default"
+    ``mode`` may also be given as a Mode's label ("resize_crop"); it is stored as a Mode.
+    """
+
+    mode: Mode = Mode.DEFAULT
     resize: int = 0
     crop_height: int = 0
     crop_width: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mode, str):
+            object.__setattr__(self, "mode", Mode[self.mode.upper()])
 
 
 @dataclass(frozen=True)
@@ -65,3 +95,28 @@ class ImageInput:
     raw: bytes | None = None
     height: int = 0
     width: int = 0
+
+
+@dataclass(frozen=True)
+class LayerOutput:
+    """One layer's answer for one image: row-major little-endian bytes, as sent."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    #: A zero-copy view of the (contiguous, CPU) tensor's bytes; keeps it alive.
+    data: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass
+class ImageResult:
+    """The answer for one image: its layers' outputs, or an error."""
+
+    index: int
+    id: str
+    outputs: list[LayerOutput] | None = None
+    error: HookserveError | None = None

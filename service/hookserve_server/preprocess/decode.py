@@ -1,8 +1,4 @@
-"""Decoding and geometry: bytes or raw pixels in, a uint8 CHW tensor out.
-
-Normalisation (to float, minus mean, over std) happens later on the model's
-device, on the whole batch, so only uint8 crosses host to device.
-"""
+"""Decoding on the CPU: encoded bytes or raw pixels in, an HxWx3 uint8 RGB array out."""
 
 from __future__ import annotations
 
@@ -10,13 +6,10 @@ import io
 import warnings
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import functional as F
 
-from .errors import InvalidArgument
-from .spec import ImageInput, Preprocess
+from ..errors import InvalidArgument
+from ..spec import ImageInput
 
 # We enforce our own pixel limit before decoding; PIL's bomb check would raise a
 # different error type (or only warn) at a limit we don't control.
@@ -118,78 +111,3 @@ def _to_rgb_array(img: Image.Image) -> np.ndarray:
         # RGBA/LA drop alpha (RGB values kept), L/1/P/CMYK/YCbCr convert.
         img = img.convert("RGB")
     return np.asarray(img)
-
-
-def geometry_size(pre: Preprocess, default_resize: int, default_crop: tuple[int, int],
-                  h: int, w: int) -> tuple[int, int]:
-    """The model-input size that `apply_geometry` will produce for an HxW image."""
-    resize, crop = _params(pre, default_resize, default_crop)
-    if resize:
-        h, w = _resized(h, w, resize)
-    if crop:
-        h, w = crop
-    return h, w
-
-
-def fixed_input_size(pre: Preprocess, default_crop: tuple[int, int]) -> tuple[int, int] | None:
-    """The input size when it does not depend on the image (a crop is set)."""
-    if pre.mode == "default":
-        return default_crop
-    if pre.mode == "resize_crop" and pre.crop_height:
-        return (pre.crop_height, pre.crop_width)
-    return None
-
-
-def apply_geometry(arr: np.ndarray, pre: Preprocess, default_resize: int,
-                   default_crop: tuple[int, int]) -> torch.Tensor:
-    """HxWx3 uint8 array -> contiguous 3xHxW uint8 tensor after resize and crop."""
-    if not arr.flags.writeable:  # raw pixels wrap the request's bytes
-        arr = arr.copy()
-    t = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
-    resize, crop = _params(pre, default_resize, default_crop)
-    if resize:
-        t = F.resize(t, [resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
-    if crop:
-        t = F.center_crop(t, list(crop))
-    return t.contiguous()
-
-
-def _params(pre: Preprocess, default_resize: int, default_crop: tuple[int, int]):
-    if pre.mode == "default":
-        return default_resize, default_crop
-    if pre.mode == "native":
-        return 0, None
-    crop = (pre.crop_height, pre.crop_width) if pre.crop_height else None
-    return pre.resize, crop
-
-
-def _resized(h: int, w: int, size: int) -> tuple[int, int]:
-    # torchvision's rule for resize([size]): the shorter side becomes `size`.
-    short, long = (w, h) if w <= h else (h, w)
-    new_short, new_long = size, int(size * long / short)
-    return (new_long, new_short) if w <= h else (new_short, new_long)
-
-
-def validate_preprocess(pre: Preprocess, max_side: int) -> None:
-    """Spec-level checks of a Preprocess (raises InvalidArgument)."""
-    if pre.mode not in ("default", "resize_crop", "native"):
-        raise InvalidArgument(f"unknown preprocessing mode {pre.mode!r}")
-    if pre.mode != "resize_crop":
-        if pre.resize or pre.crop_height or pre.crop_width:
-            raise InvalidArgument(
-                f"preprocessing mode {pre.mode} takes no resize or crop: use MODE_RESIZE_CROP"
-            )
-        return
-    if bool(pre.crop_height) != bool(pre.crop_width):
-        raise InvalidArgument(
-            "crop_height and crop_width must be set together "
-            f"(got {pre.crop_height}x{pre.crop_width})"
-        )
-    if not pre.resize and not pre.crop_height:
-        raise InvalidArgument(
-            "MODE_RESIZE_CROP needs a resize or a crop; use MODE_NATIVE for neither"
-        )
-    for name, v in (("resize", pre.resize), ("crop_height", pre.crop_height),
-                    ("crop_width", pre.crop_width)):
-        if v > max_side:
-            raise InvalidArgument(f"{name}={v} is over the limit of {max_side} pixels")

@@ -1,0 +1,64 @@
+"""Which modules of a model get hooks for a batch, and where the forward pass may stop.
+
+A capture point is (module path, call index, kind). A layer name from the layer table
+("layer1", "layer1_2" for a module's third call) names an OUTPUT point. New kinds (a
+module's input via a forward pre-hook, say) are a new `Kind` member, a way to name it
+(`point_of`), and a hook for it in forward.py; the plan and the early stop stay as
+they are.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..models import ServedModel
+from ..spec import LayerSpec
+
+
+class Kind(enum.Enum):
+    OUTPUT = "output"   # what the module returns (a forward hook)
+
+
+@dataclass(frozen=True)
+class CapturePoint:
+    module: str
+    call: int
+    kind: Kind = Kind.OUTPUT
+
+
+def point_of(model: ServedModel, spec: LayerSpec) -> CapturePoint:
+    module, call = model.layer_index[spec.name]
+    return CapturePoint(module, call)
+
+
+@dataclass
+class CapturePlan:
+    """The union of the layers a batch asks for, grouped by capture point."""
+
+    points: dict[CapturePoint, list[LayerSpec]] = field(default_factory=dict)
+    #: Stop the forward pass once every point has fired (no later layer is needed).
+    stop_early: bool = True
+
+    @classmethod
+    def for_batch(cls, model: ServedModel,
+                  layer_sets: Iterable[tuple[LayerSpec, ...]]) -> CapturePlan:
+        wanted: set[LayerSpec] = set()
+        for layers in layer_sets:
+            wanted.update(layers)
+        plan = cls()
+        for spec in wanted:
+            plan.points.setdefault(point_of(model, spec), []).append(spec)
+        return plan
+
+    @property
+    def specs(self) -> list[LayerSpec]:
+        return [s for specs in self.points.values() for s in specs]
+
+    def hooks(self) -> dict[tuple[str, Kind], dict[int, list[LayerSpec]]]:
+        """(module path, kind) -> call index -> specs: one hook per module and kind."""
+        out: dict[tuple[str, Kind], dict[int, list[LayerSpec]]] = {}
+        for p, specs in self.points.items():
+            out.setdefault((p.module, p.kind), {})[p.call] = specs
+        return out

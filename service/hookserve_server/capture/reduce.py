@@ -1,0 +1,82 @@
+"""The one table of reductions and dtypes: what each does, and the shape it gives.
+
+Adding a reduction is one entry in ``REDUCTIONS`` plus its value in
+``hookserve.v1.Reduction`` and :class:`~hookserve_server.spec.Reduction`;
+tests/test_contract.py checks that the three agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from ..errors import InternalError
+from ..spec import DType, LayerSpec, Reduction
+
+
+@dataclass(frozen=True)
+class ReductionRule:
+    #: A batch tensor [N, ...] -> the reduced batch tensor, on its device.
+    apply: Callable[[torch.Tensor], torch.Tensor]
+    #: A per-image output shape -> the per-image reduced shape.
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+
+
+def _spatial(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(2, t.dim()))
+
+
+def _pool(fn: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]):
+    # A [N, C] output (a Linear layer) has nothing to pool: it passes as is.
+    return lambda t: fn(t, _spatial(t)) if t.dim() > 2 else t
+
+
+REDUCTIONS: dict[Reduction, ReductionRule] = {
+    Reduction.NONE: ReductionRule(apply=lambda t: t, shape=tuple),
+    Reduction.AVG: ReductionRule(
+        apply=_pool(lambda t, dims: t.mean(dim=dims, dtype=torch.float32)),
+        shape=lambda s: (s[0],)),
+    Reduction.MAX: ReductionRule(apply=_pool(lambda t, dims: t.amax(dim=dims)),
+                                 shape=lambda s: (s[0],)),
+    Reduction.FLATTEN: ReductionRule(apply=lambda t: t.flatten(1), shape=lambda s: (prod(s),)),
+}
+
+#: The torch dtype of each wire dtype.
+DTYPES: dict[DType, torch.dtype] = {
+    DType.FLOAT32: torch.float32,
+    DType.FLOAT16: torch.float16,
+    DType.BFLOAT16: torch.bfloat16,
+}
+DTYPE_OF_TORCH: dict[torch.dtype, DType] = {v: k for k, v in DTYPES.items()}
+
+
+def reduced_shape(spec: LayerSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-image shape after the reduction, given the layer's per-image shape."""
+    return tuple(REDUCTIONS[spec.reduction].shape(tuple(shape)))
+
+
+def reduced_bytes(spec: LayerSpec, shape: tuple[int, ...]) -> int:
+    return prod(reduced_shape(spec, shape)) * DTYPES[spec.dtype].itemsize
+
+
+def reduce(out: torch.Tensor, spec: LayerSpec, *, may_alias: bool) -> torch.Tensor:
+    """Apply a layer's reduction, L2 and dtype to a whole batch, on its device.
+
+    The result never shares memory with `out` unless `may_alias` (the forward pass
+    stops right after this hook): later in-place ops (ReLU(inplace=True), `+=` in a
+    residual block) would otherwise change what we captured.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise InternalError(f"layer {spec.name} does not output a tensor")
+    t = REDUCTIONS[spec.reduction].apply(out)
+    if spec.l2_normalize:
+        t = t.float()
+        norm = t.flatten(1).norm(dim=1).clamp_min(1e-12)
+        t = t / norm.view(-1, *([1] * (t.dim() - 1)))
+    t = t.to(DTYPES[spec.dtype]).contiguous()
+    if not may_alias and t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        t = t.clone()
+    return t

@@ -1,0 +1,104 @@
+"""The layer table: every hookable layer of a model at an input size, in execution
+order, with its output shape and size.
+
+Built by a forward pass on the ``meta`` device (the "verbose execution" recipe: a hook
+on every module records outputs), so shapes cost no real compute and never touch the
+served model. Tables are cached per input size (LRU).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torchvision
+
+from ..errors import InvalidArgument
+from ..spec import DType
+from .reduce import DTYPE_OF_TORCH
+
+#: Input sizes whose table is kept per model.
+CACHED_SIZES = 512
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    name: str       # the module path, "_k" appended for its k-th call (k > 0)
+    module: str
+    type: str
+    shape: tuple[int, ...]   # per image, no batch dimension
+    dtype: DType
+    bytes_per_image: int
+    order: int
+
+
+def call_index(name: str, module: str) -> int:
+    """Which call of `module` a layer name stands for (``layer1_2`` -> 2)."""
+    return 0 if name == module else int(name[len(module) + 1:])
+
+
+class LayerTables:
+    """Layer tables of one architecture, built on a meta-device copy of it."""
+
+    def __init__(self, model_name: str, arch: str, dtype: torch.dtype) -> None:
+        self.model_name = model_name
+        self.dtype = dtype
+        with torch.device("meta"):
+            self._meta = torchvision.models.get_model(arch, weights=None)
+        self._meta.eval().requires_grad_(False).to(dtype=dtype)
+        self._lock = threading.Lock()
+        self._tables: OrderedDict[tuple[int, int], dict[str, LayerInfo]] = OrderedDict()
+
+    def at(self, height: int, width: int) -> dict[str, LayerInfo]:
+        """Every hookable layer at input HxW, in execution order (cached, LRU)."""
+        key = (int(height), int(width))
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                self._tables.move_to_end(key)
+                return table
+            table = self._dry_run(*key)
+            self._tables[key] = table
+            while len(self._tables) > CACHED_SIZES:
+                self._tables.popitem(last=False)
+            return table
+
+    def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
+        found: list[tuple[str, str, str, torch.Tensor]] = []
+        calls: dict[str, int] = {}
+        handles = []
+        for path, mod in self._meta.named_modules():
+            if not path:
+                continue
+
+            def hook(m, args, out, path=path):
+                k = calls.get(path, 0)
+                calls[path] = k + 1
+                if isinstance(out, torch.Tensor):
+                    name = path if k == 0 else f"{path}_{k}"
+                    found.append((name, path, type(m).__name__, out))
+
+            handles.append(mod.register_forward_hook(hook))
+        try:
+            x = torch.empty(1, 3, height, width, device="meta", dtype=self.dtype)
+            with torch.inference_mode():
+                self._meta(x)
+        except RuntimeError as exc:
+            raise InvalidArgument(
+                f"input {height}x{width} is too small or invalid for {self.model_name}: {exc}"
+            ) from None
+        finally:
+            for h in handles:
+                h.remove()
+        table = {}
+        for order, (name, path, typ, out) in enumerate(found):
+            shape = tuple(int(s) for s in out.shape[1:])
+            n = 1
+            for s in shape:
+                n *= s
+            table[name] = LayerInfo(name, path, typ, shape,
+                                    DTYPE_OF_TORCH.get(out.dtype, DType.FLOAT32),
+                                    n * out.element_size(), order)
+        return table

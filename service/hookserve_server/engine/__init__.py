@@ -1,0 +1,10 @@
+"""The engine: sessions, admission, preparation, batch queues and device workers.
+
+torch only, never grpc: the servicer adapts protobuf to these objects.
+"""
+
+from .core import Engine
+from .session import Session
+from .types import EngineConfig
+
+__all__ = ["Engine", "EngineConfig", "Session"]

@@ -1,0 +1,190 @@
+"""The Engine: the servicer's only collaborator. It holds the models, validates specs
+(resolve), admits images and hands them to preparation, and owns the lifecycle of
+the device workers. It never imports grpc.
+
+Data flow for one image::
+
+    Session reader thread --resolve/admit--> Preparer pool (decode, geometry, limits)
+        --> BatchQueue of the model's device --> DeviceWorker thread (stacks a batch,
+        normalises on the device, forward pass with hooks, early stop)
+        --> completer thread --> Future per image --> Session output, in send order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import time
+import weakref
+from concurrent.futures import Future
+
+from ..capture.table import LayerInfo
+from ..errors import InvalidArgument, ModelNotFound
+from ..models import ServedModel
+from ..preprocess.geometry import fixed_input_size, validate_preprocess
+from ..spec import ExtractionSpec, ImageInput, LayerSpec, Mode, Preprocess
+from ..telemetry import Telemetry
+from .admission import Admission
+from .limits import Limits
+from .prepare import Preparer
+from .session import Session
+from .types import CallState, EngineConfig, ResolvedSpec
+from .worker import DeviceWorker
+
+log = logging.getLogger("hookserve.engine")
+
+
+class Engine:
+    def __init__(self, models: list[ServedModel], config: EngineConfig | None = None,
+                 telemetry: Telemetry | None = None) -> None:
+        if not models:
+            raise ValueError("an engine needs at least one model")
+        self.config = config or EngineConfig()
+        self.telemetry = telemetry or Telemetry()
+        self.limits = Limits(self.config)
+        self.models: dict[str, ServedModel] = {}
+        for m in models:
+            if m.name in self.models:
+                raise ValueError(f"model {m.name} given twice")
+            self.models[m.name] = m
+        self.default_model = models[0].name
+        self._admission = Admission(self.config.max_queue, self.config.queue_wait_s)
+        #: set by start_drain(): open streams stop taking new images
+        self.draining = False
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self._workers: dict[str, DeviceWorker] = {}
+        for m in models:
+            key = str(m.device)
+            if key not in self._workers:
+                self._workers[key] = DeviceWorker(m.device, self.config, self.telemetry)
+        self._preparer = Preparer(self.config, self.limits, self.telemetry)
+        self._started = False
+        if self.config.gpu_decode and not any(m.device.type == "cuda" for m in models):
+            log.warning("--gpu-decode has no effect: no model runs on a CUDA device")
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> Engine:
+        if not self._started:
+            for w in self._workers.values():
+                w.start()
+            self._started = True
+        return self
+
+    def warmup(self) -> None:
+        """One image through every model's full forward pass, via the normal path.
+
+        With --gpu-decode it also probes the GPU decoder on a known-good JPEG.
+        """
+        cuda = [m.device for m in self.models.values() if m.device.type == "cuda"]
+        if self.config.gpu_decode and cuda:
+            self._preparer.probe_gpu_decode(cuda[0])
+        for m in self.models.values():
+            last = list(m.layer_table(*m.defaults.crop))[-1]
+            h, w = m.defaults.crop
+            # A 1x1 image resized and cropped to the default input size: the forward
+            # pass is the usual one, and no --max-image-pixels setting can refuse it.
+            pre = Preprocess(Mode.RESIZE_CROP, resize=max(h, w), crop_height=h, crop_width=w)
+            spec = ExtractionSpec(m.name, (LayerSpec(last),), pre)
+            img = ImageInput("warmup", raw=bytes(3), height=1, width=1)
+            for r in Session(self).run([spec, img]):
+                if r.error:
+                    raise r.error
+
+    def start_drain(self) -> None:
+        """Stop taking new images on open streams; admitted ones still finish, and
+        streams with nothing in flight end at once (UNAVAILABLE)."""
+        self.draining = True
+        for session in list(self._sessions):
+            session.drain()
+
+    def register(self, session: Session) -> None:
+        """A running Session, told when a drain starts."""
+        self._sessions.add(session)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Refuse new images, finish what is queued, stop the workers; returns within
+        about `timeout` seconds (threads still busy then are daemons, ended at exit)."""
+        self._admission.close()
+        # Images already submitted to the pool are still prepared and queued; the
+        # workers wait for them (their queue's `incoming` count) before they stop.
+        self._preparer.shutdown()
+        end = None if timeout is None else time.monotonic() + timeout
+        for w in self._workers.values():
+            w.close(end)
+
+    @property
+    def queued(self) -> int:
+        """Images admitted and not yet answered, across all calls."""
+        return self._admission.admitted
+
+    def hook_count(self) -> int:
+        """Forward hooks currently registered on all served models (0 when idle)."""
+        return sum(len(mod._forward_hooks) for m in self.models.values()
+                   for mod in m.module.modules())
+
+    # -- models ----------------------------------------------------------------------
+    def get_model(self, name: str) -> ServedModel:
+        name = name or self.default_model
+        self.limits.model_name(name)
+        try:
+            return self.models[name]
+        except KeyError:
+            raise ModelNotFound(
+                f"unknown model {name!r}: this server holds {', '.join(self.models)} "
+                "(see ListModels)") from None
+
+    def describe(self, name: str, height: int = 0, width: int = 0
+                 ) -> tuple[ServedModel, tuple[int, int], list[LayerInfo]]:
+        m = self.get_model(name)
+        if bool(height) != bool(width):
+            raise InvalidArgument("give both input_height and input_width, or neither")
+        h, w = (height, width) if height else m.defaults.crop
+        self.limits.input_size(f"input {h}x{w} is", h, w, fix="ask for a smaller input size")
+        return m, (h, w), list(m.layer_table(h, w).values())
+
+    def resolve(self, spec: ExtractionSpec) -> ResolvedSpec:
+        """Validate a spec against its model (raises InvalidArgument / ModelNotFound)."""
+        m = self.get_model(spec.model)
+        if not spec.layers:
+            raise InvalidArgument(
+                f"no layers requested: name at least one layer of {m.name} "
+                "(hookserve describe lists them)")
+        self.limits.layer_count(len(spec.layers))
+        seen = set()
+        for layer in spec.layers:
+            if layer.name in seen:
+                raise InvalidArgument(f"layer {layer.name!r} is requested twice: name it once")
+            seen.add(layer.name)
+            self.limits.layer_name(layer.name)
+            if layer.name not in m.layer_index:
+                raise InvalidArgument(unknown_layer_message(layer.name, m))
+        validate_preprocess(spec.preprocessing)
+        self.limits.preprocess(spec.preprocessing)
+        fixed = fixed_input_size(spec.preprocessing, m.defaults.crop)
+        resolved = ResolvedSpec(m, tuple(spec.layers), spec.preprocessing, fixed)
+        if fixed is not None:  # fails fast, before any image is computed
+            answer, activation = self.limits.answer(m, resolved.layers, *fixed)
+            resolved = dataclasses.replace(resolved, answer_bytes=answer,
+                                           activation_bytes=activation)
+        return resolved
+
+    # -- work ------------------------------------------------------------------------
+    def submit(self, spec: ResolvedSpec, image: ImageInput, call: CallState,
+               fut: Future) -> None:
+        """Admit one image and start preparing it; `fut` gets its outputs or error."""
+        permit = self._admission.admit(call)
+        permit.bind(fut)
+        self._preparer.submit(spec, image, call, fut, self._workers[str(spec.model.device)].queue)
+
+    def session(self, deadline: float | None = None) -> Session:
+        return Session(self, deadline)
+
+
+def unknown_layer_message(name: str, model: ServedModel) -> str:
+    names = list(model.layer_index)
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+    hint = f"closest valid layers: {', '.join(close)}" if close else (
+        f"valid layers start with: {', '.join(names[:5])}")
+    return (f"unknown layer {name!r} for model {model.name}; {hint}. "
+            f"DescribeModel (hookserve describe {model.name}) lists all {len(names)} layers")

@@ -1,0 +1,94 @@
+"""Every size a client controls, checked once, before its cost is paid.
+
+Names and counts when a spec arrives; the input size when it is known (at the spec
+when a crop fixes it, else per image after decoding the header); answer and
+activation bytes from the layer table, before any forward pass. The pixel count of
+an image (--max-image-pixels) is checked by the decoder, from the header, before the
+pixels are decoded.
+"""
+
+from __future__ import annotations
+
+from ..capture.reduce import reduced_bytes
+from ..errors import InvalidArgument, ModelNotFound, ResourceExhausted
+from ..models import ServedModel
+from ..spec import LayerSpec, Preprocess
+from .types import EngineConfig
+
+#: Longest image id accepted; longest model or layer name.
+MAX_ID_CHARS = 1024
+MAX_NAME_CHARS = 256
+
+
+def size_text(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1_000_000 else f"{n:,} bytes"
+
+
+class Limits:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def model_name(self, name: str) -> None:
+        if len(name) > MAX_NAME_CHARS:
+            raise ModelNotFound(f"model name is {len(name)} characters: no model has a name "
+                                f"over {MAX_NAME_CHARS} (see ListModels)")
+
+    def layer_count(self, n: int) -> None:
+        if n > self.config.max_layers:
+            raise InvalidArgument(
+                f"{n} layers requested, over the limit of {self.config.max_layers}")
+
+    def layer_name(self, name: str) -> None:
+        if len(name) > MAX_NAME_CHARS:
+            raise InvalidArgument(
+                f"a layer name is {len(name)} characters, over the limit of "
+                f"{MAX_NAME_CHARS}: DescribeModel lists the valid names")
+
+    def image_id(self, image_id: str) -> None:
+        if len(image_id) > MAX_ID_CHARS:
+            raise InvalidArgument(
+                f"image id is {len(image_id)} characters, over the limit of {MAX_ID_CHARS}: "
+                "use shorter ids (answers are also matched by image_index)")
+
+    def input_size(self, what: str, *sides: int, fix: str) -> None:
+        """A size in pixels (a model input side, a resize, a crop) against --max-input-side.
+
+        `what` begins the message ("input 9000x9000 is"), `fix` ends it."""
+        side = self.config.max_input_side
+        if max(sides) > side:
+            raise InvalidArgument(f"{what} over the limit of {side} pixels a side: {fix}")
+
+    def preprocess(self, pre: Preprocess) -> None:
+        for name, v in (("resize", pre.resize), ("crop_height", pre.crop_height),
+                        ("crop_width", pre.crop_width)):
+            self.input_size(f"{name}={v} is", v, fix="ask for a smaller size")
+
+    def answer(self, model: ServedModel, layers: tuple[LayerSpec, ...], h: int, w: int
+               ) -> tuple[int, int]:
+        """(response bytes, activation bytes) per image at input HxW; enforces limits."""
+        table = model.layer_table(h, w)
+        response = activation = 0
+        for layer in layers:
+            info = table[layer.name]
+            response += reduced_bytes(layer, info.shape)
+            activation += info.bytes_per_image
+        limit = self.config.max_response_bytes
+        if response > limit:
+            raise ResourceExhausted(
+                f"the answer for one image at input {h}x{w} would be {size_text(response)}, "
+                f"over this server's --max-response-bytes of {size_text(limit)}: request "
+                "fewer layers, a reduction (avg/max), float16, or a smaller input size")
+        # The forward pass also holds layers nobody asked for (vgg's features.0 at 8192x8192
+        # is 17 GB): bound the largest output computed up to the last requested layer, so
+        # no input size a client picks can exhaust host memory; batches use the same bound.
+        last = max(table[layer.name].order for layer in layers)
+        peak, peak_name = max((li.bytes_per_image, li.name) for li in table.values()
+                              if li.order <= last)
+        cap = self.config.max_batch_bytes
+        if peak > cap:
+            raise ResourceExhausted(
+                f"at input {h}x{w} layer {peak_name} of {model.name} would output "
+                f"{size_text(peak)} for one image, over this server's --max-batch-bytes of "
+                f"{size_text(cap)}: use a smaller input size (resize/crop) or request "
+                "earlier layers")
+        return response, max(activation, peak)

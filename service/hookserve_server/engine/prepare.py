@@ -1,0 +1,124 @@
+"""Preparation of one image on the pool: decode, geometry, per-image limits, queue.
+
+Runs on the preprocessing pool (--preprocess-workers threads). Decoding is on the
+CPU (preprocess/decode.py) or, with --gpu-decode, on the model's device
+(preprocess/gpu_decode.py); geometry follows (preprocess/geometry.py). When the input
+size follows the image, its limits are checked here, after the header is read and
+before the pixels are resized. The result is a WorkItem on the device's BatchQueue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import Cancelled, DeadlineExceeded, HookserveError, InternalError, Unavailable
+from ..models import ServedModel
+from ..preprocess.decode import decode
+from ..preprocess.geometry import apply_geometry, geometry_on_tensor, geometry_size
+from ..preprocess.gpu_decode import decode_jpeg_on_device, probe_jpeg_bytes
+from ..spec import ImageInput
+from ..telemetry import Telemetry
+from .limits import Limits
+from .queue import BatchQueue
+from .types import CallState, EngineConfig, ResolvedSpec, WorkItem
+
+log = logging.getLogger("hookserve.engine")
+
+
+class Preparer:
+    def __init__(self, config: EngineConfig, limits: Limits, telemetry: Telemetry) -> None:
+        self.config = config
+        self.limits = limits
+        self.telemetry = telemetry
+        self._pool = ThreadPoolExecutor(config.preprocess_workers,
+                                        thread_name_prefix="hookserve-pre")
+        #: Set by probe_gpu_decode() when the GPU decoder fails on a known-good JPEG.
+        self._gpu_decode_off = False
+
+    def probe_gpu_decode(self, device: torch.device) -> None:
+        """--gpu-decode: try the GPU decoder once; decode on the CPU if it fails.
+
+        Per-image failures later never switch it off, so corrupt uploads cannot turn
+        it off for everyone.
+        """
+        try:
+            decode_jpeg_on_device(ImageInput("probe", encoded=probe_jpeg_bytes()),
+                                  self.config.max_image_pixels, device)
+        except Exception as exc:
+            log.warning("--gpu-decode: the GPU JPEG decoder does not work here (%s); "
+                        "decoding on the CPU", exc)
+            self._gpu_decode_off = True
+
+    def shutdown(self) -> None:
+        """Images already submitted are still prepared and queued."""
+        self._pool.shutdown(wait=False)
+
+    def submit(self, spec: ResolvedSpec, image: ImageInput, call: CallState, fut: Future,
+               queue: BatchQueue) -> None:
+        """Start preparing an admitted image; `fut` gets its error if that fails."""
+        queue.add_incoming(1)
+        try:
+            self._pool.submit(self._prepare, spec, image, call, fut, queue)
+        except RuntimeError:  # pool shut down
+            queue.add_incoming(-1)
+            raise Unavailable("server is shutting down: retry on another replica") from None
+
+    def _prepare(self, spec: ResolvedSpec, image: ImageInput, call: CallState, fut: Future,
+                 queue: BatchQueue) -> None:
+        t0 = time.perf_counter()
+        try:
+            item = self._work_item(spec, image, call, fut)
+        except Exception as exc:
+            queue.add_incoming(-1)
+            if not isinstance(exc, HookserveError):
+                log.exception("preprocessing failed")
+                exc = InternalError("internal error while preprocessing the image")
+            fut.set_exception(exc)
+            return
+        self.telemetry.preprocess_seconds(time.perf_counter() - t0)
+        queue.put(item)
+
+    def _work_item(self, spec: ResolvedSpec, image: ImageInput, call: CallState,
+                   fut: Future) -> WorkItem:
+        if call.cancelled:
+            raise Cancelled("the call was cancelled")
+        if call.expired():
+            raise DeadlineExceeded("the call's deadline passed before the image was decoded")
+        m = spec.model
+        d = m.defaults
+        on_device = self._decode_on_device(m, image)
+        if on_device is None:
+            arr = decode(image, self.config.max_image_pixels)
+            ih, iw = arr.shape[0], arr.shape[1]
+        else:
+            ih, iw = on_device.shape[1], on_device.shape[2]
+        activation = spec.activation_bytes
+        if spec.fixed_size is None:  # the size follows the image: check it now
+            h, w = geometry_size(spec.preprocess, d.resize, d.crop, ih, iw)
+            self.limits.input_size(f"model input would be {h}x{w},", h, w,
+                                   fix="downscale the image or use a resize")
+            _, activation = self.limits.answer(m, spec.layers, h, w)
+        if on_device is None:
+            pixels = apply_geometry(arr, spec.preprocess, d.resize, d.crop)
+        else:
+            pixels = geometry_on_tensor(on_device, spec.preprocess, d.resize, d.crop)
+        return WorkItem(m, pixels, spec.layers, activation, call, fut)
+
+    def _decode_on_device(self, m: ServedModel, image: ImageInput) -> torch.Tensor | None:
+        """--gpu-decode: a plain RGB JPEG decoded on the model's CUDA device, else None.
+
+        None means "use the CPU path": other formats, CPU models, the flag off, a GPU
+        decoder that failed its warm-up probe, and any failure on this image (the CPU
+        path then decodes it, or reports it as corrupt with its usual message).
+        """
+        if not self.config.gpu_decode or m.device.type != "cuda" or self._gpu_decode_off:
+            return None
+        try:
+            return decode_jpeg_on_device(image, self.config.max_image_pixels, m.device)
+        except Exception as exc:
+            log.debug("GPU JPEG decoding failed for one image, decoding on the CPU: %s", exc)
+            return None

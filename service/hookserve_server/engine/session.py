@@ -1,0 +1,186 @@
+"""One Extract call: a reader thread admits images; answers come back in send order."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from ..errors import HookserveError, InternalError, InvalidArgument, Unavailable
+from ..spec import ExtractionSpec, ImageInput, ImageResult
+from .limits import MAX_ID_CHARS
+from .types import CallState, ResolvedSpec
+
+if TYPE_CHECKING:
+    from .core import Engine
+
+log = logging.getLogger("hookserve.engine")
+
+#: Duplicate ids are detected among the last this-many ids of a stream (~5 MB a stream).
+ID_HISTORY = 65_536
+
+
+def drain_error() -> Unavailable:
+    return Unavailable("server is shutting down: images from here on were not taken; "
+                       "send them to another replica")
+
+
+class Session:
+    """One Extract call: reads requests, keeps a bounded window, answers in order.
+
+    The window bounds images admitted and not yet yielded, by count
+    (``max_inflight_per_stream``) and by answer bytes (``max_stream_buffer_bytes``).
+    Per-image answer bytes come from the spec when the input size is fixed, else from
+    the largest answer seen so far on this stream (one image at a time until then).
+    """
+
+    def __init__(self, engine: Engine, deadline: float | None = None) -> None:
+        self.engine = engine
+        #: What queued work items see of this call (never the Session itself).
+        self.call = CallState(deadline)
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._largest_answer = 0   # bytes of the largest answer seen on this stream
+        self._reader_done = False
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        # 64-bit digests of the last ID_HISTORY non-empty ids, oldest first.
+        self._ids: set[int] = set()
+        self._id_order: collections.deque[int] = collections.deque()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.call.cancelled
+
+    def cancel(self) -> None:
+        with self._cond:
+            self.call.cancel()
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Shutdown began: end the call now if nothing of it is in flight."""
+        with self._cond:
+            if self._inflight == 0 and not self._reader_done:
+                self._out.put(drain_error())
+
+    # -- the window ----------------------------------------------------------------------
+    def _limit(self, spec: ResolvedSpec) -> int:
+        cfg = self.engine.config
+        per_image = spec.answer_bytes if spec.fixed_size else self._largest_answer
+        if per_image <= 0:  # size varies and nothing seen yet: one image to learn it
+            return 1
+        return max(1, min(cfg.max_inflight_per_stream,
+                          cfg.max_stream_buffer_bytes // per_image))
+
+    def _acquire(self, spec: ResolvedSpec) -> bool:
+        with self._cond:
+            while self._inflight >= self._limit(spec) and not self.cancelled:
+                self._cond.wait()
+            if self.cancelled:
+                return False
+            self._inflight += 1
+            return True
+
+    def _release(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def _observe(self, result: ImageResult) -> None:
+        n = sum(o.nbytes for o in result.outputs or ())
+        with self._cond:
+            if n > self._largest_answer:
+                self._largest_answer = n
+                self._cond.notify_all()  # the window may grow
+
+    def _check_id(self, image_id: str) -> None:
+        if not image_id:
+            return
+        self.engine.limits.image_id(image_id)
+        h = int.from_bytes(hashlib.blake2b(image_id.encode(), digest_size=8).digest(), "little")
+        if h in self._ids:
+            raise InvalidArgument(
+                f"duplicate image id {image_id!r} in this stream: ids must be unique "
+                "per stream (or empty)")
+        self._ids.add(h)
+        self._id_order.append(h)
+        if len(self._id_order) > ID_HISTORY:  # bounded memory on endless streams
+            self._ids.discard(self._id_order.popleft())
+
+    # -- the call ------------------------------------------------------------------------
+    def run(self, requests: Iterable[ExtractionSpec | ImageInput]) -> Iterator[ImageResult]:
+        """Consume requests on a reader thread; yield one ImageResult per image, in order.
+
+        A bad spec ends the iteration by raising its HookserveError, after the images
+        sent before it have been yielded. So does shutdown (Unavailable), once the
+        images already admitted have been yielded.
+        """
+        self.engine.register(self)
+        reader = threading.Thread(target=self._read, args=(requests,),
+                                  name="hookserve-reader", daemon=True)
+        reader.start()
+        try:
+            while True:
+                entry = self._out.get()
+                if entry is None:
+                    return
+                if isinstance(entry, HookserveError):
+                    raise entry
+                index, image_id, fut = entry
+                try:
+                    result = ImageResult(index, image_id, outputs=fut.result())
+                    self._observe(result)
+                except HookserveError as exc:
+                    result = ImageResult(index, image_id, error=exc)
+                try:
+                    yield result
+                finally:
+                    self._release()
+                    if self.engine.draining:
+                        self.drain()
+        finally:
+            self.cancel()
+
+    def _read(self, requests) -> None:
+        out = self._out
+        spec: ResolvedSpec | None = None
+        index = 0
+        try:
+            for req in requests:
+                if self.cancelled:
+                    break
+                if isinstance(req, ExtractionSpec):
+                    spec = self.engine.resolve(req)
+                    continue
+                if spec is None:
+                    raise InvalidArgument(
+                        "an image came before any ExtractionSpec: send a spec first")
+                if self.engine.draining:
+                    raise drain_error()
+                if not self._acquire(spec):
+                    break
+                # The future is all later stages hold of this image's call, with
+                # self.call; nothing they keep points back to this Session.
+                fut: Future = Future()
+                try:
+                    self._check_id(req.id)
+                    self.engine.submit(spec, req, self.call, fut)
+                except HookserveError as exc:
+                    fut.set_exception(exc)
+                # An over-long id is not echoed back (the answer carries image_index).
+                out.put((index, req.id if len(req.id) <= MAX_ID_CHARS else "", fut))
+                index += 1
+        except HookserveError as exc:
+            out.put(exc)
+        except Exception:
+            if not self.cancelled:  # a bug, not the client going away: say so
+                log.exception("reading the request stream failed")
+                out.put(InternalError("internal error while reading the request stream"))
+        finally:
+            with self._cond:
+                self._reader_done = True
+            out.put(None)
