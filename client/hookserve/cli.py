@@ -1,11 +1,11 @@
-"""The `hookserve` command: serve, describe, models, extract, health, batch."""
+"""The `hookserve` command: serve, describe, models, extract, attribute, health, batch."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .cli_args import add_connection_args, make_client, size_arg
+from .cli_args import add_connection_args, add_preprocessing_args, make_client, size_arg
 from .tensors import DTYPE_NAMES
 from .types import REDUCTIONS
 
@@ -121,10 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reduction", default="none", choices=list(REDUCTIONS))
     s.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES))
     s.add_argument("--l2-normalize", action="store_true")
-    s.add_argument("--native", action="store_true",
-                   help="no resize or crop: features at the image's own resolution")
-    s.add_argument("--resize", type=int, help="resize the shorter side to this")
-    s.add_argument("--crop", type=size_arg, help="centre crop HxW (or one number)")
+    add_preprocessing_args(s)
     s.add_argument("--out", help="write arrays to this .npz (keys: layer, or id:layer)")
     add_connection_args(s)
     s.set_defaults(func=_extract)
@@ -135,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--service", default="", help="service name ('' = the whole server)")
     add_connection_args(s)
     s.set_defaults(func=_health)
+
+    from .cli_attribute import add_attribute_parser
+    add_attribute_parser(sub)
 
     from .batch.cli import add_batch_parser
     add_batch_parser(sub)

@@ -50,6 +50,15 @@ def add_connection_args(p: argparse.ArgumentParser, *, repeatable: bool = False,
                    help="file with a bearer token (default: env HOOKSERVE_TOKEN)")
 
 
+def add_preprocessing_args(p: argparse.ArgumentParser) -> None:
+    """--native, --resize, --crop: how images become model input (default: the model's
+    own resize and centre crop)."""
+    p.add_argument("--native", action="store_true",
+                   help="no resize or crop: maps follow each image's own size")
+    p.add_argument("--resize", type=int, help="resize the shorter side to this")
+    p.add_argument("--crop", type=size_arg, help="centre crop HxW (or one number)")
+
+
 def servers_of(args: argparse.Namespace) -> list[str]:
     """The --server value(s) as a list (the environment's default when none was given)."""
     if isinstance(args.server, list):

@@ -75,6 +75,7 @@ class Extraction:
         """Forget a partly received answer (a new image, or a new stream)."""
         self._assembling: dict[str, TensorAssembler] = {}
         self._features: dict[str, np.ndarray] = {}
+        self._columns: dict[str, tuple[str, ...]] = {}
 
     def _add_tensor(self, c: pb.TensorChunk) -> None:
         a = self._assembling.get(c.layer)
@@ -83,6 +84,8 @@ class Extraction:
         a.add(c)
         if a.complete:
             self._features[c.layer] = a.array()
+            if c.columns:
+                self._columns[c.layer] = tuple(c.columns)
             del self._assembling[c.layer]
 
     def _absorb(self, msg: Any) -> Any:
@@ -95,7 +98,7 @@ class Extraction:
     def _result(self, p: _Pending, error: errors.HookserveError | None) -> Any:
         if error is not None:
             return Result(p.index, p.id, error=error)
-        return Result(p.index, p.id, features=self._features)
+        return Result(p.index, p.id, features=self._features, columns=self._columns)
 
     def _pull(self) -> _Pending | None:
         try:

@@ -66,7 +66,7 @@ def model_view(image: Any, resize: int = 0, crop: tuple[int, int] | None = None
     return img
 
 
-def overlay(image: Any, attribution: Any, alpha: float = 0.5, *,
+def overlay(image: Any, attribution: Any, alpha: float = 0.5, *, index: int = 0,
             resize: int | None = None, crop: tuple[int, int] | None = None) -> Image.Image:
     """Blend a colour-mapped attribution over the image the model saw; a PIL RGB image.
 
@@ -75,6 +75,7 @@ def overlay(image: Any, attribution: Any, alpha: float = 0.5, *,
         attribution: an :class:`~hookserve.Attribution` (its map and the preprocessing
             geometry it was computed with), or a bare ``[h, w]`` / ``[3, H, W]`` array.
         alpha: weight of the heat map, 0 (image only) to 1 (heat map only).
+        index: which map of a ``top_k >= 2`` Attribution (0: the most likely class).
         resize, crop: the preprocessing geometry; taken from the Attribution when not
             given. With a bare array and neither given, the whole image is used.
 
@@ -86,6 +87,8 @@ def overlay(image: Any, attribution: Any, alpha: float = 0.5, *,
     amap = getattr(attribution, "map", attribution)
     if amap is None:
         raise ValueError("this attribution has no map (it failed: see its .error)")
+    if len(getattr(attribution, "targets", ())) > 1:  # top_k >= 2: one map per class
+        amap = amap[index]
     geometry = getattr(attribution, "geometry", None) or (0, None)
     view = model_view(image, geometry[0] if resize is None else resize,
                       geometry[1] if crop is None else crop)

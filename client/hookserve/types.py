@@ -19,14 +19,18 @@ from .v1 import hookserve_pb2 as pb
 #: Reduction name -> wire enum, in the order the CLI lists them.
 REDUCTIONS = {
     "none": pb.REDUCTION_NONE, "avg": pb.REDUCTION_AVG_POOL, "max": pb.REDUCTION_MAX_POOL,
-    "flatten": pb.REDUCTION_FLATTEN,
+    "flatten": pb.REDUCTION_FLATTEN, "stats": pb.REDUCTION_STATS,
 }
+#: Columns of a "stats" result ``[C, 5]`` (the server also names them on the wire).
+STATS_COLUMNS = ("mean", "std", "min", "max", "zero_fraction")
 DTYPE_FROM_WIRE = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
 class Layer:
-    """A requested layer with its reduction (none|avg|max|flatten), dtype and L2 option."""
+    """A requested layer with its reduction (none|avg|max|flatten|stats), dtype and L2
+    option. "stats" gives float32 ``[C, 5]`` per channel (``[1, 5]`` for a vector):
+    :data:`STATS_COLUMNS`."""
 
     name: str
     reduction: str = "none"
@@ -55,6 +59,9 @@ class Result:
     features: dict[str, np.ndarray] | None = None
     #: The typed error when this image failed; the iteration goes on regardless.
     error: errors.HookserveError | None = None
+    #: Layer name -> names along its last dimension, for layers whose entries have
+    #: names (reduction "stats": :data:`STATS_COLUMNS`).
+    columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

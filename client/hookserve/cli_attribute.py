@@ -1,0 +1,105 @@
+"""`hookserve attribute`: saliency maps of a few images, written as overlays and arrays.
+
+    hookserve attribute cat.jpg dog.png --layer layer4 --method grad_cam --out maps/
+
+writes, per image, ``maps/<name>.png`` (the heat map over the image the model saw,
+:func:`hookserve.overlay`) and ``maps/<name>.npy`` (the raw float32 map). With
+``--top-k K`` (K >= 2) the array holds K maps and the overlays are
+``<name>.1.png`` ... ``<name>.K.png``, most likely class first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .attribution import BASELINES, CAM_METHODS, DEFAULT_LAYER, METHODS, SCORES
+from .cli_args import add_connection_args, add_preprocessing_args, make_client
+
+
+def add_attribute_parser(sub) -> None:
+    s = sub.add_parser(
+        "attribute", help="saliency maps (Grad-CAM and friends) as overlays and .npy",
+        description="Explain a class score of a few images: per image, write "
+                    "OUT/<name>.png (the map over the image the model saw) and "
+                    "OUT/<name>.npy (the raw float32 map). See docs/attribution.md.")
+    s.add_argument("images", nargs="+", help="image files")
+    s.add_argument("--out", required=True, help="folder for the .png and .npy files")
+    s.add_argument("--method", default="grad_cam", choices=list(METHODS),
+                   help="CAM methods explain --layer; the others the input pixels "
+                        "(default: %(default)s)")
+    s.add_argument("--layer", help=f"the layer a CAM method explains (default: "
+                                   f"{DEFAULT_LAYER}); NAME:input for a module's input; "
+                                   "omit it for the input-space methods")
+    s.add_argument("--model", help="model name (default: the server's default)")
+    s.add_argument("--target", type=int,
+                   help="class index to explain for every image (default: the predicted one)")
+    s.add_argument("--top-k", type=int, default=0, help="maps for the K most likely classes")
+    s.add_argument("--score", default="logit", choices=list(SCORES),
+                   help="the class score explained (default: %(default)s)")
+    s.add_argument("--relu", action=argparse.BooleanOptionalAction, default=None,
+                   help="clamp the map at zero (default: on for the CAM methods only)")
+    s.add_argument("--normalize", action="store_true", help="min-max scale the maps to [0, 1]")
+    s.add_argument("--upsample", action="store_true",
+                   help="CAM maps upsampled to the model's input size")
+    s.add_argument("--steps", type=int, default=0,
+                   help="integrated_gradients: path intervals (default: 32)")
+    s.add_argument("--baseline", default="zeros", choices=list(BASELINES),
+                   help="integrated_gradients: the baseline (default: %(default)s)")
+    s.add_argument("--samples", type=int, default=0,
+                   help="smooth_grad: noisy copies (default: 16)")
+    s.add_argument("--sigma", type=float, default=0.0,
+                   help="smooth_grad: noise, a fraction of the input's range (default: 0.15)")
+    s.add_argument("--seed", type=int, default=0, help="smooth_grad: noise seed")
+    s.add_argument("--alpha", type=float, default=0.5,
+                   help="overlay: weight of the heat map, 0..1 (default: %(default)s)")
+    add_preprocessing_args(s)
+    add_connection_args(s)
+    s.set_defaults(func=_attribute)
+
+
+def _names(images: list[str]) -> list[str]:
+    """Output base names: each file's stem, made unique with its position if needed."""
+    stems = [Path(p).stem or f"image{i}" for i, p in enumerate(images)]
+    return [s if stems.count(s) == 1 else f"{s}-{i}" for i, s in enumerate(stems)]
+
+
+def _attribute(args) -> int:
+    import numpy as np
+
+    from .overlay import overlay
+
+    if not 0.0 <= args.alpha <= 1.0:
+        print(f"error: --alpha must be in [0, 1], got {args.alpha}", file=sys.stderr)
+        return 2
+    layer = args.layer or (DEFAULT_LAYER if args.method in CAM_METHODS else None)
+    os.makedirs(args.out, exist_ok=True)
+    names = _names(args.images)
+    failed = 0
+    with make_client(args) as c:
+        results = c.attribute_many(
+            args.images, layer, args.method, model=args.model,
+            targets=[args.target] * len(args.images), score=args.score, top_k=args.top_k,
+            relu=args.relu, normalize=args.normalize, upsample=args.upsample,
+            steps=args.steps, baseline=args.baseline, samples=args.samples,
+            sigma=args.sigma, seed=args.seed, native=args.native, resize=args.resize,
+            crop=args.crop)
+        for r, name in zip(results, names, strict=True):
+            if not r.ok:
+                failed += 1
+                print(f"{r.id}: {r.error}", file=sys.stderr)
+                continue
+            base = os.path.join(args.out, name)
+            np.save(base + ".npy", r.map)
+            ranks = range(len(r.targets)) if len(r.targets) > 1 else [None]
+            pngs = []
+            for k in ranks:
+                png = base + (".png" if k is None else f".{k + 1}.png")
+                overlay(args.images[r.index], r, args.alpha, index=k or 0).save(png)
+                pngs.append(png)
+            classes = ",".join(f"{t.target.index} (p={t.target.prob:.3f})" for t in r.targets)
+            print(f"{r.id}  class {classes}  map {'x'.join(map(str, r.map.shape))}  "
+                  f"-> {base}.npy, {', '.join(pngs)}")
+    return 1 if failed else 0
