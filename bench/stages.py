@@ -1,0 +1,186 @@
+"""Where one image's time goes through hookserve: a per-stage split, and a check that
+the server's own stage metrics add up to what the client sees.
+
+    .venv/bin/python bench/stages.py                  # resnet50 layer4 avg, 40 images
+    .venv/bin/python bench/stages.py --model resnet18 --images 60
+
+One client sends one 224 px JPEG at a time (`Client.extract`, default preprocessing,
+layer4 avg) to hookserve started under bench/trace_server.py (probes on the server's
+own functions, one JSON line per call), alternating with the same work in process
+(decode + hooked forward, bench/peers/hooked.py) so both see the same machine.
+Prints the median of each stage, the server's Prometheus stage histograms (sum/count
+over the run) against the client's mean, and writes bench/results/stages-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from statistics import median
+
+from common import (
+    BENCH,
+    HOOKSERVE_PORT_RE,
+    Proc,
+    clock,
+    hookserve_argv,
+    images,
+    new_results,
+    write_results,
+)
+
+import hookserve
+
+sys.path.insert(0, str(BENCH / "peers"))
+from hooked import Hooked  # noqa: E402  (bench/peers: the same work, in process)
+
+#: (label, from probe, to probe); "client_send"/"client_done" are the client's clock.
+STAGES = [
+    ("client SDK + gRPC in (to the handler)", "client_send", "call_start"),
+    ("handler: spec and image parsed", "call_start", "request_parsed"),
+    ("reader thread: admit, submit", "request_parsed", "submit"),
+    ("hop to the preprocess pool", "submit", "prepare_start"),
+    ("decode + resize + crop", "prepare_start", "prepare_end"),
+    ("queue: to the device thread", "prepare_end", "batch_taken"),
+    ("device thread: batch checks", "batch_taken", "forward_start"),
+    ("forward (stack, normalise, hooks, reduce)", "forward_start", "forward_end"),
+    ("hop to the completer", "forward_end", "completer"),
+    ("completer -> handler thread", "completer", "result_seen"),
+    ("encode tensor message", "result_seen", "encoded"),
+    ("status message", "encoded", "status_built"),
+    ("gRPC out + SDK decode (to the client)", "status_built", "client_done"),
+]
+METRICS = ["hookserve_preprocess_seconds", "hookserve_queue_wait_seconds",
+           "hookserve_forward_seconds", "hookserve_serialize_seconds"]
+
+
+def scrape(port: int) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each stage histogram on the server's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out: dict[str, list[float]] = {m: [0.0, 0.0] for m in METRICS}
+    for line in text.decode().splitlines():
+        m = re.match(r"(\w+)_(sum|count)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m and m.group(1) in out:
+            out[m.group(1)][0 if m.group(2) == "sum" else 1] += float(m.group(3))
+    return {k: (s, c) for k, (s, c) in out.items()}
+
+
+def first(events: list, name: str, after: float = 0.0) -> float | None:
+    return next((t for n, t in events if n == name and t >= after), None)
+
+
+def split(calls: list[list], client: list[tuple[float, float]]) -> dict[str, list[float]]:
+    """Per stage, the ms each image spent in it (images with every probe only)."""
+    per: dict[str, list[float]] = {label: [] for label, _, _ in STAGES}
+    for events, (t_send, t_done) in zip(calls, client, strict=True):
+        ev = [("client_send", t_send), *events, ("client_done", t_done)]
+        t_img = [t for n, t in ev if n == "request_parsed"]
+        times = {"client_send": t_send, "client_done": t_done, "call_start": ev[1][1],
+                 "request_parsed": t_img[-1] if t_img else None}
+        for label, a, b in STAGES:
+            ta = times.get(a) or first(ev, a)
+            tb = times.get(b) or first(ev, b, ta or 0.0)
+            if ta is not None and tb is not None:
+                per[label].append((tb - ta) * 1e3)
+                times[b] = tb
+    return per
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--images", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--delay-ms", type=float, default=5.0)
+    ap.add_argument("--hookserve-arg", action="append", default=[],
+                    help="extra `hookserve serve` flag (repeat)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    a.device, a.dtype = "cpu", "float32"
+    res = new_results(a, {})
+    say = clock()
+    data = images(a.images + 3, 224)
+    floor = Hooked(a.model, "layer4", "avg", a.threads)
+    trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
+    argv = hookserve_argv([a.model], a, "--metrics-port", "0", *a.hookserve_arg)
+    argv = [sys.executable, str(BENCH / "trace_server.py"), str(trace), *argv[1:]]
+    say("starting hookserve under bench/trace_server.py")
+    srv = Proc("hookserve", argv, HOOKSERVE_PORT_RE)
+    client: list[tuple[float, float]] = []
+    local: list[float] = []
+    try:
+        mport = int(next(re.search(r"metrics on http://\S+:(\d+)", ln).group(1)
+                         for ln in srv.lines if "metrics on" in ln))
+        layers = {"layer4": {"reduction": "avg"}}
+        with hookserve.Client(srv.address, timeout=600) as c:
+            for b in data[:3]:  # warm-up
+                c.extract(b, layers, model=a.model)
+                floor.extract([b])
+            before = scrape(mport)
+            say(f"{a.images} images, one at a time, alternating with in-process")
+            for b in data[3:]:
+                t0 = time.perf_counter()
+                floor.extract([b])
+                local.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                c.extract(b, layers, model=a.model)
+                client.append((t0, time.perf_counter()))
+            after = scrape(mport)
+    finally:
+        srv.stop()
+    calls = [json.loads(line) for line in trace.read_text().splitlines()][-len(client):]
+    per = split(calls, client)
+    lat = [(d - s) * 1e3 for s, d in client]
+    R = res["rows"]
+    R["client_ms"] = {"median": median(lat), "mean": sum(lat) / len(lat)}
+    R["inproc_ms"] = {"median": median(local) * 1e3, "mean": sum(local) / len(local) * 1e3}
+    R["stages_median_ms"] = {k: median(v) if v else None for k, v in per.items()}
+    R["stages_mean_ms"] = {k: sum(v) / len(v) if v else None for k, v in per.items()}
+    n = after["hookserve_forward_seconds"][1] - before["hookserve_forward_seconds"][1]
+    R["metrics_mean_ms"] = {k: (after[k][0] - before[k][0]) / max(1.0, after[k][1] - before[k][1])
+                            * 1e3 for k in METRICS}
+    R["metrics_images"] = n
+    print()
+    print(table(R))
+    res["seconds"] = time.perf_counter() - say.t0
+    out = write_results(res, a.out, "-stages", latest="stages-latest.json")
+    print(f"\nwrote {out}")
+    return 0
+
+
+def table(R: dict) -> str:
+    lines = [f"{'stage (one image, ms)':<46}{'median':>9}{'mean':>9}"]
+    total = 0.0
+    for label, _, _ in STAGES:
+        med, mean = R["stages_median_ms"][label], R["stages_mean_ms"][label]
+        total += mean or 0.0
+        lines.append(f"{label:<46}{med if med is not None else float('nan'):>9.2f}"
+                     f"{mean if mean is not None else float('nan'):>9.2f}")
+    lines.append(f"{'sum of stages':<46}{'':>9}{total:>9.2f}")
+    c, p = R["client_ms"], R["inproc_ms"]
+    lines.append(f"{'client latency':<46}{c['median']:>9.2f}{c['mean']:>9.2f}")
+    lines.append(f"{'in process (decode + hooked forward)':<46}{p['median']:>9.2f}"
+                 f"{p['mean']:>9.2f}")
+    lines.append(f"{'added by the service':<46}{c['median'] - p['median']:>9.2f}"
+                 f"{c['mean'] - p['mean']:>9.2f}")
+    lines.append("")
+    lines.append(f"server metrics, mean per observation over {R['metrics_images']:.0f} "
+                 "forward passes (ms):")
+    m = R["metrics_mean_ms"]
+    for k in METRICS:
+        lines.append(f"  {k:<44}{m[k]:>9.2f}")
+    s = sum(m.values())
+    lines.append(f"  {'sum (the rest is hops, gRPC and the SDK)':<44}{s:>9.2f}"
+                 f"   client mean {c['mean']:.2f}, unaccounted {c['mean'] - s:.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
