@@ -76,7 +76,8 @@ class Result:
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """A hookable layer, as DescribeModel reports it."""
+    """A hookable layer, as DescribeModel reports it. `shape` is its output's;
+    `input_shape` what ``"<name>:input"`` returns (empty when not a tensor)."""
 
     name: str
     module: str
@@ -85,6 +86,8 @@ class LayerInfo:
     dtype: str
     bytes_per_image: int
     order: int
+    input_shape: tuple[int, ...] = ()
+    input_bytes_per_image: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,20 @@ class ModelDescription:
                 return li
         raise KeyError(name)
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The tensor shape a layer request `name` returns before any reduction:
+        the output's, or for ``"<layer>:input"`` that module's input's."""
+        base, _, port = name.rpartition(":")
+        if port == "input":
+            return self.layer(base).input_shape
+        return self.layer(name).shape
+
     @classmethod
     def from_proto(cls, r: pb.DescribeModelResponse) -> ModelDescription:
         layers = [LayerInfo(li.name, li.module, li.type, tuple(li.output_shape),
                             DTYPE_FROM_WIRE.get(li.dtype, "float32"), li.bytes_per_image,
-                            li.order) for li in r.layers]
+                            li.order, tuple(li.input_shape), li.input_bytes_per_image)
+                  for li in r.layers]
         return cls(ModelInfo.from_proto(r.model), (r.input_height, r.input_width), layers)
 
 

@@ -22,14 +22,17 @@ def connect(args, addresses: list[str] | None = None):
 
 def parse_layers(specs: list[str], default_reduction: str, dtype: str = "float32",
                  l2_normalize: bool = False) -> list[Layer]:
-    """--layers values (``name`` or ``name:reduction``, comma-separated) -> Layers."""
+    """--layers values (``name`` or ``name:reduction``, comma-separated) -> Layers.
+    A name may end in ``:input`` (the module's input): ``layer3:input:stats``."""
     out, seen = [], set()
     for spec in specs:
         for part in spec.split(","):
             part = part.strip()
             if not part:
                 continue
-            name, _, red = part.partition(":")
+            name, sep, red = part.rpartition(":")
+            if not sep or red == "input":  # no reduction given
+                name, red = part, ""
             red = red or default_reduction
             if red not in REDUCTIONS:
                 raise Abort(f"layer {name}: reduction must be one of {', '.join(REDUCTIONS)}, "
@@ -57,7 +60,7 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict]:
                     ) from None
     names = {li.name for li in desc.layers}
     for layer in layers:
-        if layer.name not in names:
+        if layer.name.removesuffix(":input") not in names:
             close = difflib.get_close_matches(layer.name, sorted(names), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise Abort(f"model {desc.model.name} has no layer {layer.name!r}{hint}; "
@@ -101,13 +104,16 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict]:
     }
     if format_of(args.out) == "parquet":
         for li in layers:
-            if li.reduction == "none" and len(desc.layer(li.name).shape) != 1:
-                raise Abort(f"layer {li.name} gives {desc.layer(li.name).shape} per image; "
+            shape = desc.shape_of(li.name)
+            if li.reduction == "stats":  # [C, 5] per channel, [1, 5] for a vector
+                shape = (shape[0] if len(shape) > 1 else 1, 5)
+            if li.reduction in ("none", "stats") and len(shape) != 1:
+                raise Abort(f"layer {li.name} gives {shape} per image; "
                              "Parquet takes 1-D features: add --reduction avg|max|flatten "
                              f"(or {li.name}:avg), or write .h5 or a folder")
     if args.native and format_of(args.out) == "h5":
         for li in layers:
-            if li.reduction in ("none", "flatten") and len(desc.layer(li.name).shape) > 1:
+            if li.reduction in ("none", "flatten") and len(desc.shape_of(li.name)) > 1:
                 raise Abort(f"--native gives layer {li.name} a shape that follows each "
                              "image's size; HDF5 needs one shape: use --reduction avg|max, "
                              "or a folder output")
