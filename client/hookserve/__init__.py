@@ -4,7 +4,7 @@
     with hookserve.Client("localhost:50051") as client:
         feats = client.extract("cat.jpg", layers=["layer4"], reduction="avg")
 
-Needs only grpcio, protobuf, numpy (and pillow for PIL inputs); no torch.
+Needs only grpcio, protobuf, numpy and pillow (PIL inputs, overlays); no torch.
 """
 
 from .attribution import Attribution, ClassScore, MapTarget
@@ -24,6 +24,7 @@ from .errors import (
 )
 from .overlay import overlay
 from .tensors import bfloat16_to_float32
+from .types import STATS_COLUMNS
 
 __version__ = "0.1.0"
 
@@ -32,5 +33,5 @@ __all__ = [
     "HookserveError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unavailable",
     "DeadlineExceeded", "Cancelled", "Unauthenticated", "PermissionDenied",
     "FailedPrecondition", "Internal", "bfloat16_to_float32", "__version__",
-    "Attribution", "ClassScore", "MapTarget", "overlay",
+    "Attribution", "ClassScore", "MapTarget", "overlay", "STATS_COLUMNS",
 ]

@@ -1,0 +1,72 @@
+"""`hookserve attribute` and `--reduction stats`, run as real subprocesses against a
+live server."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+from PIL import Image
+from test_cli import hs
+from test_stats import numpy_stats
+
+from conftest import encode, rand_image
+
+
+def test_attribute_writes_an_overlay_and_the_map_per_image(server, client, tmp_path):
+    paths = []
+    for k in range(2):
+        p = tmp_path / "in" / f"im{k}.png"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(encode(rand_image(70, 90, seed=k)))
+        paths.append(str(p))
+    bad = tmp_path / "in" / "bad.jpg"
+    bad.write_bytes(b"\xff\xd8\xff garbage")
+    out = tmp_path / "maps"
+    r = hs("attribute", paths[0], str(bad), paths[1], "--layer", "layer4", "--method",
+           "grad_cam", "--target", "7", "--resize", "64", "--crop", "56x48", "--out", str(out),
+           "--server", server.address)
+    assert r.returncode == 1, r.stderr                     # one image failed
+    assert "bad.jpg" in r.stderr and "INVALID_ARGUMENT" in r.stderr
+    assert sorted(f.name for f in out.iterdir()) == ["im0.npy", "im0.png", "im1.npy", "im1.png"]
+    for p, name in zip(paths, ("im0", "im1"), strict=True):
+        want = client.attribute(p, "layer4", "grad_cam", target=7, resize=64, crop=(56, 48))
+        np.testing.assert_array_equal(np.load(out / f"{name}.npy"), want.map)
+        with Image.open(out / f"{name}.png") as png:
+            assert png.mode == "RGB" and png.size == (48, 56)   # the model's view, WxH
+    assert "class 7" in r.stdout
+
+
+def test_attribute_input_space_top_k_writes_one_overlay_per_class(server, tmp_path):
+    p = tmp_path / "x.png"
+    p.write_bytes(encode(rand_image(40, 40, seed=3)))
+    r = hs("attribute", str(p), "--method", "gradient", "--top-k", "2", "--native",
+           "--out", str(tmp_path / "o"), "--server", server.address)
+    assert r.returncode == 0, r.stderr
+    assert np.load(tmp_path / "o" / "x.npy").shape == (2, 3, 40, 40)
+    for k in (1, 2):
+        with Image.open(tmp_path / "o" / f"x.{k}.png") as png:
+            assert png.size == (40, 40)
+
+
+def test_extract_and_batch_take_reduction_stats(server, client, tmp_path):
+    img = rand_image(48, 64, seed=2)
+    p = tmp_path / "s.png"
+    p.write_bytes(encode(img))
+    full = client.extract(str(p), ["layer2"], native=True)["layer2"]
+    r = hs("extract", str(p), "--layers", "layer2", "--reduction", "stats", "--native",
+           "--out", str(tmp_path / "f.npz"), "--server", server.address)
+    assert r.returncode == 0, r.stderr
+    with np.load(tmp_path / "f.npz") as z:
+        np.testing.assert_allclose(z["layer2"], numpy_stats(full), rtol=1e-4, atol=1e-5)
+    out = tmp_path / "b.h5"
+    r = hs("batch", str(p), "--out", str(out), "--layers", "layer2:stats,layer3:input:stats",
+           "--native", "--server", server.address)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(out) as f:
+        assert f["layer2"].shape == (1, 128, 5)
+        np.testing.assert_allclose(f["layer2"][0], numpy_stats(full), rtol=1e-4, atol=1e-5)
+        # layer3's input is layer2's output: the pre-hook sees what layer2 returned
+        np.testing.assert_allclose(f["layer3:input"][0], f["layer2"][0], rtol=1e-6)
+    r = hs("batch", str(p), "--out", str(tmp_path / "b.parquet"), "--layers", "layer2:stats",
+           "--server", server.address)
+    assert r.returncode == 2 and "Parquet takes 1-D" in r.stderr

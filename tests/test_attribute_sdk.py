@@ -1,0 +1,168 @@
+"""The SDK surface of Attribute: types, values, laziness and order, typed errors, the
+overlay, and reduction="stats" through Client.extract.
+
+The math itself is checked at wire level in test_attribute.py; here the oracle is the
+same (its `grad_at` splits the seeded model at the layer), fed with the model input
+the SDK's preprocessing options ask for (resize + centre crop, done as the server
+does it: torchvision on the uint8 tensor).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_attribute import CAM, grad_at, oracle_model
+from test_stats import numpy_stats
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as F
+
+import hookserve
+from hookserve.v1 import hookserve_pb2 as pb
+
+from conftest import encode, rand_image
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+GEOMETRY = {"resize": 64, "crop": (56, 48)}      # small, and not square
+
+
+def preprocessed(arr: np.ndarray, resize: int = 64, crop=(56, 48)) -> torch.Tensor:
+    t = torch.from_numpy(arr.copy()).permute(2, 0, 1)
+    t = F.resize(t, [resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
+    t = F.center_crop(t, list(crop))
+    return ((t[None].float() / 255) - MEAN) / STD
+
+
+@pytest.fixture(scope="module")
+def imgs() -> list[np.ndarray]:
+    return [rand_image(72, 90, seed=s) for s in range(5)]
+
+
+def test_attribute_returns_an_attribution_equal_to_grad_cam_by_hand(client, imgs, tmp_path):
+    path = tmp_path / "a.png"
+    path.write_bytes(encode(imgs[0]))
+    a = client.attribute(str(path), "layer4", "grad_cam", **GEOMETRY)
+    act, g, logits, c = grad_at("resnet18", "layer4", preprocessed(imgs[0]), None)
+    want = CAM[pb.ATTRIBUTION_METHOD_GRAD_CAM](act, g).clamp_min(0)
+    assert isinstance(a, hookserve.Attribution) and a.ok and a.error is None
+    assert a.id == str(path) and a.index == 0
+    assert a.map.dtype == np.float32 and a.map.shape == (2, 2) == tuple(want.shape)
+    np.testing.assert_allclose(a.map, want.numpy(), **TOL)
+    p = logits.softmax(0)
+    assert isinstance(a.target, int) and a.target == c == int(logits.argmax())
+    assert a.logit == pytest.approx(float(logits[c]), abs=1e-4)
+    assert a.prob == pytest.approx(float(p[c]), rel=1e-4)
+    assert (a.min, a.max) == pytest.approx((float(want.min()), float(want.max())), abs=1e-5)
+    assert a.delta is None
+    assert [s.index for s in a.top5] == p.topk(5).indices.tolist()
+    assert all(isinstance(s, hookserve.ClassScore) for s in a.top5)
+    assert [s.prob for s in a.top5] == pytest.approx(p.topk(5).values.tolist(), rel=1e-4)
+    assert a.geometry == (64, (56, 48))
+
+
+def test_input_space_methods_take_no_layer_by_default(client, imgs):
+    x = preprocessed(imgs[1])
+    a = client.attribute(imgs[1], method="gradient_x_input", target=9, **GEOMETRY)
+    _, g, _, _ = grad_at("resnet18", None, x, 9)
+    assert a.map.shape == (3, 56, 48) and a.target == 9
+    np.testing.assert_allclose(a.map, (g * x[0]).numpy(), rtol=1e-3, atol=1e-7)
+    ig = client.attribute(imgs[1][:32, :32], method="integrated_gradients", steps=4,
+                          baseline="black", native=True)
+    assert ig.map.shape == (3, 32, 32) and isinstance(ig.delta, float)
+    top = client.attribute(imgs[1], "layer3", "hires_cam", top_k=3, normalize=True,
+                           upsample=True, **GEOMETRY)
+    assert top.map.shape == (3, 56, 48) and len(top.targets) == 3
+    assert [t.target.index for t in top.targets] == [s.index for s in top.top5[:3]]
+    assert top.map.min() >= 0 and top.map.max() <= 1 + 1e-6
+    assert top.target == top.targets[0].target.index
+
+
+def test_attribute_many_is_lazy_ordered_with_per_image_targets_and_errors(client, imgs):
+    pulled = []
+    items = [imgs[0], imgs[1], b"not an image", imgs[2], imgs[3], imgs[4]]
+    targets = [3, None, 5, 700, None, 1]
+
+    def source():
+        for i, item in enumerate(items):
+            pulled.append(i)
+            yield item
+
+    it = client.attribute_many(source(), "layer4", "layer_cam", targets=targets,
+                               max_in_flight=2, **GEOMETRY)
+    first = next(it)
+    assert len(pulled) < len(items)                  # lazy: bounded read-ahead
+    results = [first, *it]
+    assert [r.index for r in results] == list(range(6))
+    assert [r.ok for r in results] == [True, True, False, True, True, True]
+    bad = results[2]
+    assert isinstance(bad.error, hookserve.InvalidArgument)
+    assert bad.error.code.name == "INVALID_ARGUMENT" and bad.map is None
+    with pytest.raises(hookserve.InvalidArgument):
+        bad.raise_for_error()
+    for r, arr, t in zip(results, items, targets, strict=True):
+        if not r.ok:
+            continue
+        alone = client.attribute(arr, "layer4", "layer_cam", target=t, **GEOMETRY)
+        assert r.target == alone.target and (t is None or r.target == t)
+        np.testing.assert_allclose(r.map, alone.map, **TOL)
+
+
+def test_errors_are_typed(client, imgs):
+    with pytest.raises(hookserve.InvalidArgument, match="1000 classes"):
+        client.attribute(imgs[0], target=1000, **GEOMETRY)
+    with pytest.raises(hookserve.InvalidArgument, match="layer"):  # a CAM method needs one
+        client.attribute(imgs[0], None, "grad_cam", **GEOMETRY)
+    with pytest.raises(hookserve.InvalidArgument, match="--max-attribution-cost"):
+        client.attribute(imgs[0], method="integrated_gradients", steps=5000)
+    with pytest.raises(hookserve.NotFound):
+        client.attribute(imgs[0], model="resnet9000")
+    with pytest.raises(ValueError, match="grad_cam"):  # cannot be encoded: never sent
+        client.attribute(imgs[0], method="gradcam")
+    with pytest.raises(ValueError, match="targets"):
+        list(client.attribute_many(imgs[:2], targets=[1]))
+
+
+def test_overlay_is_the_model_view_with_a_colour_map(client, imgs, tmp_path):
+    path = tmp_path / "b.jpg"
+    Image.fromarray(imgs[2]).save(path, quality=95)
+    a = client.attribute(str(path))                  # default preprocessing: 256, 224
+    assert a.map.shape == (7, 7) and a.geometry == (256, (224, 224))
+    out = hookserve.overlay(str(path), a)
+    assert out.mode == "RGB" and out.size == (224, 224)
+    plain = np.asarray(hookserve.overlay(str(path), a, alpha=0.0), dtype=float)
+    view = preprocessed(np.asarray(Image.open(path)), 256, (224, 224)) * STD + MEAN
+    assert np.abs(plain - view[0].permute(1, 2, 0).numpy() * 255).mean() < 2.0
+    assert np.abs(np.asarray(out, dtype=float) - plain).mean() > 10   # the heat shows
+    native = hookserve.overlay(imgs[2], np.ones((3, 72, 90), np.float32))
+    assert native.size == (90, 72)
+    with pytest.raises(ValueError, match="alpha"):
+        hookserve.overlay(imgs[2], a, alpha=1.5)
+
+
+def test_matches_captum_layer_grad_cam_through_the_sdk(client, imgs):
+    captum_attr = pytest.importorskip("captum.attr")
+    model = oracle_model("vgg11")
+    a = client.attribute(imgs[3], "features.15", "grad_cam", model="vgg11", target=42,
+                         relu=False, **GEOMETRY)
+    with torch.enable_grad():
+        want = captum_attr.LayerGradCam(model, model.features[15]).attribute(
+            preprocessed(imgs[3]), target=42)
+    np.testing.assert_allclose(a.map, want[0, 0].detach().numpy(), **TOL)
+
+
+def test_stats_reduction_through_the_sdk(client, imgs):
+    got = client.extract_many([imgs[0]], {"layer1": {"reduction": "stats"}, "fc": None,
+                                          "layer2:input": {"reduction": "stats"}}, native=True)
+    (r,) = list(got)
+    full = client.extract(imgs[0], ["layer1", "layer2:input"], native=True)
+    assert r.features["layer1"].shape == (64, 5)
+    assert r.columns["layer1"] == hookserve.STATS_COLUMNS
+    np.testing.assert_allclose(r.features["layer1"], numpy_stats(full["layer1"]), **TOL)
+    np.testing.assert_allclose(r.features["layer2:input"],
+                               numpy_stats(full["layer2:input"]), **TOL)
+    assert "fc" not in r.columns
+    vec = client.extract(imgs[0], "fc", reduction="stats", native=True)["fc"]
+    assert vec.shape == (1, 5)
