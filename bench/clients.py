@@ -13,14 +13,15 @@ import hookserve
 
 
 def streams_throughput(address: str, model: str, layers, data: list[bytes], streams: int,
-                       **opts) -> float:
-    """img/s of `streams` concurrent extract_many calls sharing `data` between them."""
+                       call: str = "extract_many", **opts) -> float:
+    """img/s of `streams` concurrent extract_many calls sharing `data` between them
+    (`call="attribute_many"`: Attribute streams, `layers` being the one layer)."""
     parts = [data[i::streams] for i in range(streams)]
     clients = [hookserve.Client(address, timeout=600) for _ in range(streams)]
 
     def run(c: hookserve.Client, part: list[bytes]) -> int:
         n = 0
-        for r in c.extract_many(part, layers, model=model, **opts):
+        for r in getattr(c, call)(part, layers, model=model, **opts):
             r.raise_for_error()
             n += 1
         return n
