@@ -155,6 +155,11 @@ class Extraction:
                     if p.image is not None:
                         requests.put(self._image_request(p))
                         sent += 1
+                if self.exhausted and not closed:
+                    # Half-close once the last image is sent: the server can end the
+                    # call with its last answer, not one round trip after it.
+                    requests.put(_END)
+                    closed = True
                 while self.pending and self.pending[0].image is None:
                     p = self.pending.popleft()
                     yield self._result(p, p.error)
