@@ -127,6 +127,9 @@ class ModelDescription:
     model: ModelInfo
     input_size: tuple[int, int]
     layers: list[LayerInfo] = field(default_factory=list)
+    #: Memory one image holds during an Attribute pass at this size (saved
+    #: activations plus gradients); Attribute batches are bounded by it.
+    gradient_bytes_per_image: int = 0
 
     def layer(self, name: str) -> LayerInfo:
         for li in self.layers:
@@ -148,7 +151,8 @@ class ModelDescription:
                             DTYPE_FROM_WIRE.get(li.dtype, "float32"), li.bytes_per_image,
                             li.order, tuple(li.input_shape), li.input_bytes_per_image)
                   for li in r.layers]
-        return cls(ModelInfo.from_proto(r.model), (r.input_height, r.input_width), layers)
+        return cls(ModelInfo.from_proto(r.model), (r.input_height, r.input_width), layers,
+                   r.gradient_bytes_per_image)
 
 
 def build_layers(layers: str | Layer | Sequence[str | Layer] | Mapping[str, Any], *,
