@@ -32,6 +32,7 @@ class Reduction(_Labelled):
     AVG = 2
     MAX = 3
     FLATTEN = 4
+    STATS = 5
 
 
 class DType(_Labelled):
@@ -106,6 +107,8 @@ class LayerOutput:
     shape: tuple[int, ...]
     #: A zero-copy view of the (contiguous, CPU) tensor's bytes; keeps it alive.
     data: memoryview
+    #: Names of the last dimension's entries, when they have names (stats).
+    columns: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:

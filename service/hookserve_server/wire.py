@@ -130,6 +130,7 @@ def tensor_messages(result: ImageResult, chunk_bytes: int) -> Iterator[pb.Extrac
             c.layer = out.name
             c.dtype = out.dtype.value
             c.shape.extend(out.shape)
+            c.columns.extend(out.columns)
             c.total_bytes = total
             c.offset = off
             c.data = out.data[off:off + chunk_bytes].tobytes()

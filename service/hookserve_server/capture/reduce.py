@@ -23,10 +23,25 @@ class ReductionRule:
     apply: Callable[[torch.Tensor], torch.Tensor]
     #: A per-image output shape -> the per-image reduced shape.
     shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    #: Names of the last dimension's entries, sent with the tensor (empty: unnamed).
+    columns: tuple[str, ...] = ()
 
 
 def _spatial(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(2, t.dim()))
+
+
+#: Columns of the stats reduction, in order.
+STATS_COLUMNS = ("mean", "std", "min", "max", "zero_fraction")
+
+
+def _stats(t: torch.Tensor) -> torch.Tensor:
+    """[N, C, ...] -> [N, C, 5] per channel over the rest; [N, F] -> [N, 1, 5]."""
+    t = t.float()
+    flat = t.flatten(2) if t.dim() > 2 else t.unsqueeze(1)
+    std, mean = torch.std_mean(flat, dim=2, correction=0)
+    return torch.stack([mean, std, flat.amin(dim=2), flat.amax(dim=2),
+                        (flat == 0).float().mean(dim=2)], dim=2)
 
 
 def _pool(fn: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]):
@@ -42,6 +57,8 @@ REDUCTIONS: dict[Reduction, ReductionRule] = {
     Reduction.MAX: ReductionRule(apply=_pool(lambda t, dims: t.amax(dim=dims)),
                                  shape=lambda s: (s[0],)),
     Reduction.FLATTEN: ReductionRule(apply=lambda t: t.flatten(1), shape=lambda s: (prod(s),)),
+    Reduction.STATS: ReductionRule(apply=_stats, shape=lambda s: (s[0] if len(s) > 1 else 1, 5),
+                                   columns=STATS_COLUMNS),
 }
 
 #: The torch dtype of each wire dtype.

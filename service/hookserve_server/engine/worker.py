@@ -17,7 +17,7 @@ import torch
 
 from ..capture.forward import capture, stack_inputs, to_host
 from ..capture.plan import CapturePlan
-from ..capture.reduce import DTYPE_OF_TORCH
+from ..capture.reduce import DTYPE_OF_TORCH, REDUCTIONS
 from ..errors import (
     Cancelled,
     DeadlineExceeded,
@@ -25,7 +25,7 @@ from ..errors import (
     InternalError,
     ResourceExhausted,
 )
-from ..spec import LayerOutput
+from ..spec import LayerOutput, LayerSpec
 from ..telemetry import Telemetry
 from .queue import BatchQueue
 from .types import EngineConfig, WorkItem
@@ -39,10 +39,11 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, oom) or "out of memory" in msg or "can't allocate memory" in msg
 
 
-def layer_output(name: str, t: torch.Tensor) -> LayerOutput:
+def layer_output(spec: LayerSpec, t: torch.Tensor) -> LayerOutput:
     """A contiguous CPU tensor as the bytes sent for it (a zero-copy view)."""
-    return LayerOutput(name, DTYPE_OF_TORCH[t.dtype], tuple(t.shape),
-                       memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return LayerOutput(spec.name, DTYPE_OF_TORCH[t.dtype], tuple(t.shape),
+                       memoryview(t.reshape(-1).view(torch.uint8).numpy()),
+                       REDUCTIONS[spec.reduction].columns)
 
 
 class DeviceWorker:
@@ -136,7 +137,7 @@ class DeviceWorker:
             event.record()
         self._done.put((event, items, outputs))
 
-    def _forward(self, items: list[WorkItem]) -> list[list[tuple[str, torch.Tensor]]]:
+    def _forward(self, items: list[WorkItem]) -> list[list[tuple[LayerSpec, torch.Tensor]]]:
         model = items[0].model
         t0 = time.perf_counter()
         plan = CapturePlan.for_batch(model, (it.layers for it in items))
@@ -145,7 +146,7 @@ class DeviceWorker:
         if self._cuda:
             captured = to_host(captured)
         self.telemetry.forward(model.name, len(items), time.perf_counter() - t0)
-        return [[(s.name, captured[s][i]) for s in it.layers] for i, it in enumerate(items)]
+        return [[(s, captured[s][i]) for s in it.layers] for i, it in enumerate(items)]
 
     # -- the completer thread ----------------------------------------------------------
     def _complete_loop(self) -> None:
@@ -161,9 +162,9 @@ class DeviceWorker:
                     if len(items) > 1:
                         # A row is a view of the whole batch tensor: copy it, so a slow
                         # reader holding one answer does not pin the batch's answers.
-                        out = [(name, t.clone()) for name, t in out]
+                        out = [(spec, t.clone()) for spec, t in out]
                     if not it.future.done():
-                        it.future.set_result([layer_output(n, t) for n, t in out])
+                        it.future.set_result([layer_output(s, t) for s, t in out])
             except Exception:
                 log.exception("handing out a batch's answers failed")
                 for it in items:
