@@ -10,6 +10,7 @@ from ..types import REDUCTIONS
 from .errors import EXIT_CANNOT_PROCEED, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED
 from .inputs import MAX_FILE_BYTES
 from .run import run
+from .sharded import DEFAULTS
 
 EXIT_HELP = f"""\
 exit codes:
@@ -102,6 +103,28 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="count the inputs (and those already in --out) and exit; contacts "
                         "no server")
+    g = p.add_argument_group(
+        "sharded runs (inputs that are URLs or .tar files, --image-column, a URL --out, "
+        "or --sharded)")
+    g.add_argument("--sharded", action="store_true",
+                   help="treat the inputs as shards (one output part and done marker "
+                        "each) even when they are all local")
+    g.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec option for URL inputs and outputs, repeatable (a JSON "
+                        "value is parsed: anon=true); S3 credentials and endpoint come "
+                        "from the standard AWS_* environment")
+    g.add_argument("--image-column",
+                   help=".parquet inputs hold the images: this column has their bytes "
+                        "(binary, or a Hugging Face struct<bytes, path>)")
+    g.add_argument("--id-column", help="with --image-column: the column of image ids "
+                                       "(default: FILE#ROW)")
+    g.add_argument("--listing-shards", type=int, default=DEFAULTS["listing_shards"],
+                   metavar="B", help="a folder, prefix or glob of images is cut into B "
+                   "shards by a hash of each name; keep B the same for one --out "
+                   "(default: %(default)s)")
+    g.add_argument("--shard-bytes", type=int, default=DEFAULTS["shard_bytes"],
+                   metavar="BYTES", help="a .parquet input larger than this is one shard "
+                   "per row group (default: %(default)s)")
     # --server may be repeated here; streams have no deadline.
     add_connection_args(p, repeatable=True,
                         timeout_help="seconds per unary call (streams have no deadline)")

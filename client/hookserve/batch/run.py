@@ -39,6 +39,8 @@ from .inputs import (
 )
 from .progress import Progress
 from .scheduler import Item, Scheduler, Streams
+from .sharded import run_sharded
+from .shardrun import wants_shards
 from .sinks import OutputError, Record, ShapeMismatch, Sink, make_sink, peek_done
 from .spec import connect, describe_and_check, parse_layers
 
@@ -84,6 +86,8 @@ def plan(paths: list[str], done: dict) -> tuple[list[Item], list[tuple[str, str,
 
 
 def _run(args) -> int:
+    if wants_shards(args):
+        return run_sharded(args)
     try:
         shard = parse_shard(args.shard) if args.shard else None
         paths = select_shard(discover(args.inputs, path_column=args.path_column,
