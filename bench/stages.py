@@ -3,6 +3,8 @@ the server's own stage metrics add up to what the client sees.
 
     .venv/bin/python bench/stages.py                  # resnet50 layer4 avg, 40 images
     .venv/bin/python bench/stages.py --model resnet18 --images 60
+    .venv/bin/python bench/stages.py --model resnet18 --layer conv1 --side 32 --native
+                                      # (almost no compute: the service's own overhead)
 
 One client sends one 224 px JPEG at a time (`Client.extract`, default preprocessing,
 layer4 avg) to hookserve started under bench/trace_server.py (probes on the server's
@@ -95,6 +97,10 @@ def split(calls: list[list], client: list[tuple[float, float]]) -> dict[str, lis
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--layer", default="layer4")
+    ap.add_argument("--side", type=int, default=224, help="JPEG side, px")
+    ap.add_argument("--native", action="store_true",
+                    help="no resize/crop (the in-process side still resizes and crops)")
     ap.add_argument("--images", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
@@ -106,8 +112,8 @@ def main() -> int:
     a.device, a.dtype = "cpu", "float32"
     res = new_results(a, {})
     say = clock()
-    data = images(a.images + 3, 224)
-    floor = Hooked(a.model, "layer4", "avg", a.threads)
+    data = images(a.images + 3, a.side)
+    floor = Hooked(a.model, a.layer, "avg", a.threads)
     trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
     argv = hookserve_argv([a.model], a, "--metrics-port", "0", *a.hookserve_arg)
     argv = [sys.executable, str(BENCH / "trace_server.py"), str(trace), *argv[1:]]
@@ -118,10 +124,11 @@ def main() -> int:
     try:
         mport = int(next(re.search(r"metrics on http://\S+:(\d+)", ln).group(1)
                          for ln in srv.lines if "metrics on" in ln))
-        layers = {"layer4": {"reduction": "avg"}}
+        layers = {a.layer: {"reduction": "avg"}}
+        opts = {"native": True} if a.native else {}
         with hookserve.Client(srv.address, timeout=600) as c:
             for b in data[:3]:  # warm-up
-                c.extract(b, layers, model=a.model)
+                c.extract(b, layers, model=a.model, **opts)
                 floor.extract([b])
             before = scrape(mport)
             say(f"{a.images} images, one at a time, alternating with in-process")
@@ -130,7 +137,7 @@ def main() -> int:
                 floor.extract([b])
                 local.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                c.extract(b, layers, model=a.model)
+                c.extract(b, layers, model=a.model, **opts)
                 client.append((t0, time.perf_counter()))
             after = scrape(mport)
     finally:

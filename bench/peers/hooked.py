@@ -8,8 +8,10 @@ for the whole network: VGG16 to `features.0` is ~1% of its full forward), reduce
 and remove the hook state between calls. The in-process floor uses the same code.
 
 Preprocessing is hookserve's default, done the way hookserve does it (so the answers
-match to float rounding): PIL decode to RGB, resize the short side to 256 (bilinear,
-antialiased, on the uint8 tensor), centre-crop 224, ImageNet mean/std.
+match to float rounding): PIL decode to RGB, resize the short side (bilinear,
+antialiased, on the uint8 tensor) and centre-crop as the architecture's default
+torchvision weights do (resnet50: 232 then 224; vgg16: 256 then 224), ImageNet
+mean/std.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Hooked:
             torch.set_num_threads(threads)
         torch.manual_seed(0)
         self.model = torchvision.models.get_model(arch, weights=None).eval()
+        tf = torchvision.models.get_model_weights(arch).DEFAULT.transforms()
+        self.resize, self.crop = int(tf.resize_size[0]), int(tf.crop_size[0])
         self.reduce = reduce
         self._out: list[torch.Tensor] = []
         dict(self.model.named_modules())[layer].register_forward_hook(self._hook)
@@ -54,12 +58,12 @@ class Hooked:
         self._out.append(output)
         raise _Stop
 
-    @staticmethod
-    def decode(jpeg: bytes) -> torch.Tensor:
+    def decode(self, jpeg: bytes) -> torch.Tensor:
         arr = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"))
         t = torch.from_numpy(arr.copy()).permute(2, 0, 1)
-        t = F.resize(t, [256], interpolation=InterpolationMode.BILINEAR, antialias=True)
-        t = F.center_crop(t, [224, 224])
+        t = F.resize(t, [self.resize], interpolation=InterpolationMode.BILINEAR,
+                     antialias=True)
+        t = F.center_crop(t, [self.crop, self.crop])
         return (t.float() / 255 - MEAN) / STD
 
     def forward(self, x: torch.Tensor) -> np.ndarray:

@@ -5,11 +5,13 @@
 
 The same work for every server: a torchvision model with seeded random weights, a
 forward hook on one layer, early stop, a reduction (bench/peers/hooked.py; hookserve
-does this itself), default preprocessing of a 224 px JPEG (resize 256, centre crop
-224, ImageNet normalisation). Servers run as subprocesses with the same torch thread
-count and OMP_WAIT_POLICY=PASSIVE; the in-process floor runs in this process while
-they idle. Rows that are compared alternate (per image for latency, per round for
-throughput), so drift in the machine's load hits every column.
+does this itself), hookserve's default preprocessing of a 224 px JPEG (resize and
+centre crop as the model's default torchvision weights: resnet50 232/224, vgg16
+256/224; ImageNet normalisation); every answer is checked against the floor's.
+Servers run as subprocesses with the same torch thread count and
+OMP_WAIT_POLICY=PASSIVE; the in-process floor runs in this process while they idle.
+Rows that are compared alternate (per image for latency, per round for throughput),
+so drift in the machine's load hits every column.
 
   latency   resnet50 layer4 avg, one client, one image at a time: p50/p99 (ms)
   tput-1    the same, img/s with 1 client
