@@ -17,7 +17,7 @@ import torchvision
 from torch import nn
 
 from .capture.reduce import DTYPES
-from .capture.table import LayerInfo, LayerTables, call_index
+from .capture.table import LayerInfo, LayerTables, layer_names
 from .errors import ConfigError
 from .spec import DType
 
@@ -245,8 +245,7 @@ class ServedModel:
         self.std = torch.tensor(self.defaults.std, device=device).view(1, 3, 1, 1)
         self.tables = LayerTables(name, arch, self.torch_dtype)
         #: layer name -> (module path, call index)
-        self.layer_index = {n: (li.module, call_index(n, li.module))
-                            for n, li in self.layer_table(*self.defaults.crop).items()}
+        self.layer_index = layer_names(self.layer_table(*self.defaults.crop))
 
     def layer_table(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (capture/table.py)."""

@@ -108,7 +108,8 @@ def model_info(m: ServedModel) -> pb.ModelInfo:
 def layer_info(li: LayerInfo) -> pb.LayerInfo:
     return pb.LayerInfo(name=li.name, module=li.module, type=li.type, output_shape=li.shape,
                         dtype=li.dtype.value, bytes_per_image=li.bytes_per_image,
-                        order=li.order)
+                        order=li.order, input_shape=li.input_shape,
+                        input_bytes_per_image=li.input_bytes)
 
 
 def status_message(result: ImageResult) -> pb.ExtractResponse:

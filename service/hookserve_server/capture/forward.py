@@ -44,30 +44,32 @@ def capture(model: ServedModel, x: torch.Tensor, plan: CapturePlan
     captured: dict[LayerSpec, torch.Tensor] = {}
     remaining = [len(plan.points)]
 
-    def make_hook(path: str, by_call: dict[int, list[LayerSpec]]):
+    def make_fire(by_call: dict[int, list[LayerSpec]]):
         calls = [0]
 
-        def hook(module, args, out):
+        def fire(t) -> None:
             k = calls[0]
             calls[0] = k + 1
             specs = by_call.get(k)
             if not specs:
-                return None
+                return
             remaining[0] -= 1
             last = remaining[0] == 0 and plan.stop_early
             for spec in specs:
-                captured[spec] = reduce(out, spec, may_alias=last)
+                captured[spec] = reduce(t, spec, may_alias=last)
             if last:
                 raise _StopForward
-            return None
-        return hook
+        return fire
+
+    def register(module, kind: Kind, fire):
+        if kind is Kind.INPUT:   # a pre-hook sees (module, args) before the module runs
+            return module.register_forward_pre_hook(
+                lambda m, args: fire(args[0] if args else None))
+        return module.register_forward_hook(lambda m, args, out: fire(out))
 
     with ExitStack() as stack, torch.inference_mode():
         for (path, kind), by_call in plan.hooks().items():
-            if kind is not Kind.OUTPUT:
-                raise InternalError(f"no hook for capture kind {kind.value}")
-            module = model.modules[path]
-            stack.enter_context(module.register_forward_hook(make_hook(path, by_call)))
+            stack.enter_context(register(model.modules[path], kind, make_fire(by_call)))
         try:
             model.module(x)
         except _StopForward:

@@ -19,16 +19,6 @@ from torch import nn
 
 from ..errors import InternalError
 
-#: Suffix that names a module's input instead of its output ("layer3:input").
-INPUT_SUFFIX = ":input"
-
-
-def split_input_name(name: str) -> tuple[str, bool]:
-    """``"layer3:input"`` -> ``("layer3", True)``; ``"layer3"`` -> ``("layer3", False)``."""
-    if name.endswith(INPUT_SUFFIX):
-        return name[: -len(INPUT_SUFFIX)], True
-    return name, False
-
 
 class Tap:
     """Captures call ``call`` of ``module``'s output (or input, ``on_input``) as a leaf

@@ -1,10 +1,10 @@
 """Which modules of a model get hooks for a batch, and where the forward pass may stop.
 
 A capture point is (module path, call index, kind). A layer name from the layer table
-("layer1", "layer1_2" for a module's third call) names an OUTPUT point. New kinds (a
-module's input via a forward pre-hook, say) are a new `Kind` member, a way to name it
-(`point_of`), and a hook for it in forward.py; the plan and the early stop stay as
-they are.
+("layer1", "layer1_2" for a module's third call) names an OUTPUT point;
+"<layer>:input" names that call's INPUT point (a forward pre-hook). A new kind is a
+new `Kind` member, a way to name it (`point_of`), and a hook for it in forward.py;
+the plan and the early stop stay as they are.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 from ..models import ServedModel
 from ..spec import LayerSpec
+from .table import split_input_name
 
 
 class Kind(enum.Enum):
     OUTPUT = "output"   # what the module returns (a forward hook)
+    INPUT = "input"     # its first positional argument (a forward pre-hook)
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,8 @@ class CapturePoint:
 
 def point_of(model: ServedModel, spec: LayerSpec) -> CapturePoint:
     module, call = model.layer_index[spec.name]
-    return CapturePoint(module, call)
+    _, on_input = split_input_name(spec.name)
+    return CapturePoint(module, call, Kind.INPUT if on_input else Kind.OUTPUT)
 
 
 @dataclass

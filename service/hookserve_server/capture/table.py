@@ -1,5 +1,7 @@
 """The layer table: every hookable layer of a model at an input size, in execution
-order, with its output shape and size.
+order, with its output shape and size, and its input's (a forward pre-hook's view).
+
+``"<name>:input"`` names a layer's input (:func:`entry` looks either kind up).
 
 Built by a forward pass on the ``meta`` device (the "verbose execution" recipe: a hook
 on every module records outputs), so shapes cost no real compute and never touch the
@@ -8,6 +10,7 @@ served model. Tables are cached per input size (LRU).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,6 +35,39 @@ class LayerInfo:
     dtype: DType
     bytes_per_image: int
     order: int
+    #: The module's first positional input, per image; () when it is not a tensor.
+    input_shape: tuple[int, ...] = ()
+    input_bytes: int = 0
+
+
+#: Suffix that names a module's input instead of its output ("layer3:input").
+INPUT_SUFFIX = ":input"
+
+
+def split_input_name(name: str) -> tuple[str, bool]:
+    """``"layer3:input"`` -> ``("layer3", True)``; ``"layer3"`` -> ``("layer3", False)``."""
+    if name.endswith(INPUT_SUFFIX):
+        return name[: -len(INPUT_SUFFIX)], True
+    return name, False
+
+
+def entry(table: dict[str, LayerInfo], name: str) -> LayerInfo:
+    """The table's row for a layer name; for ``"<layer>:input"`` the row describes the
+    input (name, shape and bytes are the input's; order is the layer's)."""
+    base, on_input = split_input_name(name)
+    li = table[base]
+    if not on_input:
+        return li
+    return dataclasses.replace(li, name=name, shape=li.input_shape,
+                               bytes_per_image=li.input_bytes)
+
+
+def layer_names(table: dict[str, LayerInfo]) -> dict[str, tuple[str, int]]:
+    """Every valid layer name -> (module path, call index): outputs, then inputs."""
+    names = {n: (li.module, call_index(n, li.module)) for n, li in table.items()}
+    names.update({n + INPUT_SUFFIX: (li.module, call_index(n, li.module))
+                  for n, li in table.items() if li.input_shape})
+    return names
 
 
 def call_index(name: str, module: str) -> int:
@@ -68,10 +104,16 @@ class LayerTables:
     def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
         found: list[tuple[str, str, str, torch.Tensor]] = []
         calls: dict[str, int] = {}
+        inputs: dict[str, torch.Tensor] = {}   # layer name -> its input
         handles = []
         for path, mod in self._meta.named_modules():
             if not path:
                 continue
+
+            def pre_hook(m, args, path=path):
+                k = calls.get(path, 0)
+                if args and isinstance(args[0], torch.Tensor):
+                    inputs[path if k == 0 else f"{path}_{k}"] = args[0]
 
             def hook(m, args, out, path=path):
                 k = calls.get(path, 0)
@@ -80,6 +122,7 @@ class LayerTables:
                     name = path if k == 0 else f"{path}_{k}"
                     found.append((name, path, type(m).__name__, out))
 
+            handles.append(mod.register_forward_pre_hook(pre_hook))
             handles.append(mod.register_forward_hook(hook))
         try:
             x = torch.empty(1, 3, height, width, device="meta", dtype=self.dtype)
@@ -94,11 +137,18 @@ class LayerTables:
                 h.remove()
         table = {}
         for order, (name, path, typ, out) in enumerate(found):
-            shape = tuple(int(s) for s in out.shape[1:])
-            n = 1
-            for s in shape:
-                n *= s
+            shape, nbytes = _per_image(out)
+            in_shape, in_bytes = _per_image(inputs[name]) if name in inputs else ((), 0)
             table[name] = LayerInfo(name, path, typ, shape,
                                     DTYPE_OF_TORCH.get(out.dtype, DType.FLOAT32),
-                                    n * out.element_size(), order)
+                                    nbytes, order, in_shape, in_bytes)
         return table
+
+
+def _per_image(t: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """(shape, bytes) of one image of a batch tensor."""
+    shape = tuple(int(s) for s in t.shape[1:])
+    n = 1
+    for s in shape:
+        n *= s
+    return shape, n * t.element_size()

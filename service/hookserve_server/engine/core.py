@@ -119,9 +119,9 @@ class Engine:
         return self._admission.admitted
 
     def hook_count(self) -> int:
-        """Forward hooks currently registered on all served models (0 when idle)."""
-        return sum(len(mod._forward_hooks) for m in self.models.values()
-                   for mod in m.module.modules())
+        """Forward hooks and pre-hooks registered on all served models (0 when idle)."""
+        return sum(len(mod._forward_hooks) + len(mod._forward_pre_hooks)
+                   for m in self.models.values() for mod in m.module.modules())
 
     # -- models ----------------------------------------------------------------------
     def get_model(self, name: str) -> ServedModel:

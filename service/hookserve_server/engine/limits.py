@@ -10,6 +10,7 @@ pixels are decoded.
 from __future__ import annotations
 
 from ..capture.reduce import reduced_bytes
+from ..capture.table import entry
 from ..errors import InvalidArgument, ModelNotFound, ResourceExhausted
 from ..models import ServedModel
 from ..spec import LayerSpec, Preprocess
@@ -69,7 +70,7 @@ class Limits:
         table = model.layer_table(h, w)
         response = activation = 0
         for layer in layers:
-            info = table[layer.name]
+            info = entry(table, layer.name)
             response += reduced_bytes(layer, info.shape)
             activation += info.bytes_per_image
         limit = self.config.max_response_bytes
@@ -81,7 +82,7 @@ class Limits:
         # The forward pass also holds layers nobody asked for (vgg's features.0 at 8192x8192
         # is 17 GB): bound the largest output computed up to the last requested layer, so
         # no input size a client picks can exhaust host memory; batches use the same bound.
-        last = max(table[layer.name].order for layer in layers)
+        last = max(entry(table, layer.name).order for layer in layers)
         peak, peak_name = max((li.bytes_per_image, li.name) for li in table.values()
                               if li.order <= last)
         cap = self.config.max_batch_bytes
