@@ -6,10 +6,9 @@ Each enum member's value is its number in ``hookserve.v1`` (wire.py converts wit
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-from .spec import ImageInput, Preprocess
+from .spec import ImageInput, Labelled, LayerOutput, Preprocess
 
 #: Defaults for unset (zero) proto fields.
 DEFAULT_IG_STEPS = 32
@@ -17,7 +16,7 @@ DEFAULT_SG_SAMPLES = 16
 DEFAULT_SG_SIGMA = 0.15
 
 
-class Method(enum.Enum):
+class Method(Labelled):
     """How a map is computed (hookserve.v1.AttributionMethod)."""
 
     GRAD_CAM = 1
@@ -29,23 +28,19 @@ class Method(enum.Enum):
     SMOOTH_GRAD = 7
 
     @property
-    def label(self) -> str:
-        return self.name.lower()
-
-    @property
     def is_cam(self) -> bool:
         """CAM methods weigh one layer's activation; the others explain the input."""
         return self in (Method.GRAD_CAM, Method.HIRES_CAM, Method.LAYER_CAM)
 
 
-class Score(enum.Enum):
+class Score(Labelled):
     """The class score a map explains (hookserve.v1.AttributionScore)."""
 
     LOGIT = 1
     SOFTMAX = 2
 
 
-class Baseline(enum.Enum):
+class Baseline(Labelled):
     """Integrated Gradients' starting point (hookserve.v1.AttributionBaseline)."""
 
     ZEROS = 1
@@ -103,15 +98,10 @@ class AttributionSpec:
 
 
 @dataclass
-class AttributeInput:
-    """One image of an Attribute stream, with its target class (None: the spec's)."""
+class AttributeInput(ImageInput):
+    """One image of an Attribute stream, with its target class (None: the spec's top_k)."""
 
-    image: ImageInput
     target: int | None = None
-
-    @property
-    def id(self) -> str:
-        return self.image.id
 
 
 @dataclass(frozen=True)
@@ -132,3 +122,12 @@ class TargetResult:
     map_max: float
     #: Integrated Gradients only: sum of attributions - (f(x) - f(baseline)).
     delta: float | None = None
+
+
+@dataclass(frozen=True)
+class AttributionOutput(LayerOutput):
+    """One image's map (float32; ``name`` is the spec's layer, "" for the input-space
+    methods) with one TargetResult per map and the image's top classes."""
+
+    targets: tuple[TargetResult, ...] = ()
+    top5: tuple[ClassScore, ...] = ()

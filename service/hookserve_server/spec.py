@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from .errors import HookserveError
 
 
-class _Labelled(enum.Enum):
+class Labelled(enum.Enum):
+    """A domain enum: its values are proto numbers, its label the lower-case name."""
+
     @property
     def label(self) -> str:
         return self.name.lower()
@@ -25,7 +27,7 @@ class _Labelled(enum.Enum):
         return ", ".join(m.label for m in cls)
 
 
-class Reduction(_Labelled):
+class Reduction(Labelled):
     """What is done to a layer's output per image (hookserve.v1.Reduction)."""
 
     NONE = 1
@@ -35,7 +37,7 @@ class Reduction(_Labelled):
     STATS = 5
 
 
-class DType(_Labelled):
+class DType(Labelled):
     """Element type of a returned tensor (hookserve.v1.DType)."""
 
     FLOAT32 = 1
@@ -43,7 +45,7 @@ class DType(_Labelled):
     BFLOAT16 = 3
 
 
-class Mode(_Labelled):
+class Mode(Labelled):
     """Preprocessing geometry (hookserve.v1.Preprocessing.Mode)."""
 
     DEFAULT = 1

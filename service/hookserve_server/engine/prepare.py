@@ -2,9 +2,11 @@
 
 Runs on the preprocessing pool (--preprocess-workers threads). Decoding is on the
 CPU (preprocess/decode.py) or, with --gpu-decode, on the model's device
-(preprocess/gpu_decode.py); geometry follows (preprocess/geometry.py). When the input
-size follows the image, its limits are checked here, after the header is read and
-before the pixels are resized. The result is a WorkItem on the device's BatchQueue.
+(preprocess/gpu_decode.py); geometry follows (preprocess/geometry.py). Before that,
+on the stream's reader thread, `plan` reads the header and checks every size the image
+will go through and its answer and activation bytes (engine/limits.py), so nothing is
+decoded or resized that the limits would refuse. The result is a WorkItem on the
+device's BatchQueue.
 """
 
 from __future__ import annotations
@@ -12,13 +14,21 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import Cancelled, DeadlineExceeded, HookserveError, InternalError, Unavailable
+from ..errors import (
+    Cancelled,
+    DeadlineExceeded,
+    HookserveError,
+    InternalError,
+    InvalidArgument,
+    Unavailable,
+)
 from ..models import ServedModel
-from ..preprocess.decode import decode
-from ..preprocess.geometry import apply_geometry, geometry_on_tensor, geometry_size
+from ..preprocess.decode import decode, read_header
+from ..preprocess.geometry import Geometry, apply_geometry, geometry_on_tensor, plan_geometry
 from ..preprocess.gpu_decode import decode_jpeg_on_device, probe_jpeg_bytes
 from ..spec import ImageInput
 from ..telemetry import Telemetry
@@ -27,6 +37,17 @@ from .queue import BatchQueue
 from .types import CallState, EngineConfig, ResolvedSpec, WorkItem
 
 log = logging.getLogger("hookserve.engine")
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """One image's sizes and costs, known from its header before it is decoded."""
+
+    geometry: Geometry
+    #: bytes of its answer (reserved in the answer budgets before it is computed)
+    answer_bytes: int
+    #: activation bytes it adds to a batch (--max-batch-bytes)
+    activation_bytes: int
 
 
 class Preparer:
@@ -57,21 +78,34 @@ class Preparer:
         """Images already submitted are still prepared and queued."""
         self._pool.shutdown(wait=False)
 
-    def submit(self, spec: ResolvedSpec, image: ImageInput, call: CallState, fut: Future,
-               queue: BatchQueue) -> None:
+    def plan(self, spec: ResolvedSpec, image: ImageInput) -> ImagePlan:
+        """Every size and byte count of one image, from its header alone, checked
+        against the limits (raises InvalidArgument / ResourceExhausted). Cheap: it runs
+        on the stream's reader thread, before the image is admitted."""
+        m = spec.model
+        h, w = read_header(image, self.config.max_image_pixels)
+        g = plan_geometry(spec.preprocess, m.defaults.resize, m.defaults.crop, h, w)
+        self.limits.geometry(g)
+        if spec.fixed_size is not None:
+            return ImagePlan(g, spec.answer_bytes, spec.activation_bytes)
+        answer, activation = self.limits.answer(m, spec.layers, *g.input)
+        return ImagePlan(g, answer, activation)
+
+    def submit(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan, call: CallState,
+               fut: Future, queue: BatchQueue) -> None:
         """Start preparing an admitted image; `fut` gets its error if that fails."""
         queue.add_incoming(1)
         try:
-            self._pool.submit(self._prepare, spec, image, call, fut, queue)
+            self._pool.submit(self._prepare, spec, image, plan, call, fut, queue)
         except RuntimeError:  # pool shut down
             queue.add_incoming(-1)
             raise Unavailable("server is shutting down: retry on another replica") from None
 
-    def _prepare(self, spec: ResolvedSpec, image: ImageInput, call: CallState, fut: Future,
-                 queue: BatchQueue) -> None:
+    def _prepare(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan,
+                 call: CallState, fut: Future, queue: BatchQueue) -> None:
         t0 = time.perf_counter()
         try:
-            item = self._work_item(spec, image, call, fut)
+            item = self._work_item(spec, image, plan, call, fut)
         except Exception as exc:
             queue.add_incoming(-1)
             if not isinstance(exc, HookserveError):
@@ -82,8 +116,8 @@ class Preparer:
         self.telemetry.preprocess_seconds(time.perf_counter() - t0)
         queue.put(item)
 
-    def _work_item(self, spec: ResolvedSpec, image: ImageInput, call: CallState,
-                   fut: Future) -> WorkItem:
+    def _work_item(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan,
+                   call: CallState, fut: Future) -> WorkItem:
         if call.cancelled:
             raise Cancelled("the call was cancelled")
         if call.expired():
@@ -93,20 +127,18 @@ class Preparer:
         on_device = self._decode_on_device(m, image)
         if on_device is None:
             arr = decode(image, self.config.max_image_pixels)
-            ih, iw = arr.shape[0], arr.shape[1]
+            size = (arr.shape[0], arr.shape[1])
         else:
-            ih, iw = on_device.shape[1], on_device.shape[2]
-        activation = spec.activation_bytes
-        if spec.fixed_size is None:  # the size follows the image: check it now
-            h, w = geometry_size(spec.preprocess, d.resize, d.crop, ih, iw)
-            self.limits.input_size(f"model input would be {h}x{w},", h, w,
-                                   fix="downscale the image or use a resize")
-            _, activation = self.limits.answer(m, spec.layers, h, w)
+            size = (on_device.shape[1], on_device.shape[2])
+        if size != plan.geometry.decoded:  # the limits were checked on the header's size
+            h, w = plan.geometry.decoded
+            raise InvalidArgument(f"the image decoded to {size[0]}x{size[1]} pixels but its "
+                                  f"header says {h}x{w}: the file is inconsistent")
         if on_device is None:
             pixels = apply_geometry(arr, spec.preprocess, d.resize, d.crop)
         else:
             pixels = geometry_on_tensor(on_device, spec.preprocess, d.resize, d.crop)
-        return WorkItem(m, pixels, spec.layers, activation, call, fut)
+        return WorkItem(m, pixels, spec.layers, plan.activation_bytes, call, fut)
 
     def _decode_on_device(self, m: ServedModel, image: ImageInput) -> torch.Tensor | None:
         """--gpu-decode: a plain RGB JPEG decoded on the model's CUDA device, else None.

@@ -8,11 +8,16 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..models import ServedModel
-from ..spec import LayerSpec, Preprocess
+from ..spec import ImageInput, LayerSpec, Preprocess
+
+if TYPE_CHECKING:
+    from .attribute import AttributeTask
+    from .limits import Limits
 
 
 @dataclass
@@ -39,6 +44,8 @@ class EngineConfig:
     preprocess_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))
     #: Decode plain RGB JPEGs on the model's CUDA device (--gpu-decode); CPU otherwise.
     gpu_decode: bool = False
+    #: Largest Attribute request, in forward-equivalents per image (AttributionSpec.cost).
+    max_attribution_cost: int = 1024
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,14 @@ class ResolvedSpec:
     #: Answer and activation bytes per image at fixed_size (0 when the size varies).
     answer_bytes: int = 0
     activation_bytes: int = 0
+
+    def sizes(self, limits: Limits, h: int, w: int) -> tuple[int, int]:
+        """(answer, activation) bytes per image at input HxW; enforces the limits."""
+        return limits.answer(self.model, self.layers, h, w)
+
+    def task_for(self, image: ImageInput) -> AttributeTask | None:
+        """What an image's work item carries besides its layers (Attribute only)."""
+        return None
 
 
 class CallState:
@@ -87,8 +102,11 @@ class WorkItem:
     call: CallState
     future: Future
     enqueued: float = 0.0
+    #: An Attribute image's spec and target (engine/attribute.py); None for Extract.
+    task: AttributeTask | None = None
 
     @property
     def key(self):
-        """Images with the same key can share a batch."""
-        return (self.model.name, self.pixels.shape[1], self.pixels.shape[2])
+        """Images with the same key can share a batch (an Attribute batch: one spec)."""
+        return (self.model.name, self.pixels.shape[1], self.pixels.shape[2],
+                None if self.task is None else self.task.batch_key)
