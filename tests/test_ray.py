@@ -67,8 +67,8 @@ def test_mapper_reads_paths_and_pandas(server, tmp_path):
     out = HookserveMapper(server.address, ["fc"], reduction="avg")(rows)
     assert isinstance(out, pd.DataFrame)
     assert list(out["ok"]) == [True, False, False, True]
-    assert list(out["error_code"]) == ["", "NOT_FOUND", "NOT_FOUND", ""]
-    assert "not a regular file" in out["error_message"][2]
+    assert list(out["error_code"]) == ["", "NOT_FOUND", "INVALID_ARGUMENT", ""]
+    assert "FIFO" in out["error_message"][2]
     assert len(out["fc"][0]) == 1000
 
 

@@ -31,8 +31,6 @@ Ray itself is not imported here: install it with ``pip install 'hookserve[ray]'`
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,34 +42,32 @@ from .client import Client
 __all__ = ["HookserveMapper", "read_bytes"]
 
 #: Per-file read cap for the ``path`` column (bytes); larger files become error rows.
-DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_FILE_BYTES = 256 << 20
 
 
 def read_bytes(path: str, storage_options: dict | None = None,
                max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
     """The bytes of a local regular file or an fsspec URL (``s3://``, ``gs://``, ...).
 
-    Local files are opened non-blocking and must be regular files (a FIFO or a device
-    would hang or never end); anything over `max_bytes` is refused. Raises OSError.
+    Local files are read as `hookserve batch` reads them (only regular files, opened
+    non-blocking: a FIFO or a device fails instead of hanging); anything over
+    `max_bytes` is refused. Raises a typed :class:`hookserve.HookserveError`.
     """
-    if "://" in path:
-        import fsspec
+    from .batch.inputs import read_bytes as read_local
 
+    if "://" not in path:
+        return read_local(path, max_bytes)
+    import fsspec
+
+    try:
         with fsspec.open(path, "rb", **(storage_options or {})) as fh:
             data = fh.read(max_bytes + 1)
-    else:
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(f"{path}: not a regular file")
-            with os.fdopen(fd, "rb", closefd=False) as fh:
-                data = fh.read(max_bytes + 1)
-        finally:
-            os.close(fd)
+    except FileNotFoundError:
+        raise errors.NotFound(f"cannot read {path}: not found") from None
+    except OSError as exc:
+        raise errors.Unavailable(f"cannot read {path}: {exc}") from None
     if len(data) > max_bytes:
-        raise OSError(f"{path}: over the per-file cap of {max_bytes} bytes")
+        raise errors.InvalidArgument(f"{path}: over the per-file cap of {max_bytes} bytes")
     return data
 
 
@@ -186,8 +182,8 @@ class HookserveMapper:
             for i, p in enumerate(cols[self.path_column]):
                 try:
                     sources[i] = read_bytes(str(p), self.storage_options, self.max_file_bytes)
-                except (OSError, ValueError) as exc:
-                    failed[i] = errors.NotFound(f"cannot read {p}: {exc}")
+                except errors.HookserveError as exc:
+                    failed[i] = exc
         else:
             raise KeyError(f"the batch has neither an {self.image_column!r} nor a "
                            f"{self.path_column!r} column (columns: {', '.join(cols)}); "
