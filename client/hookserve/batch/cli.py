@@ -34,6 +34,13 @@ outputs (by the extension of --out):
 resume: run the same command again. Images already written are skipped (matched by
 path, and checked against the file's size and mtime); failed and missing images are
 tried again. kill -9 loses at most the images in flight.
+
+sharded runs (a URL or .tar input, --image-column, a URL --out, or --sharded): each
+input shard (a WebDataset .tar, a Parquet file or row group, a hash bucket of a
+listing) writes one part, then _errors-<sid>.csv (if any failed), then _done-<sid>.json
+into the --out folder (.parquet dataset or .npy folder, local or s3://, gs://...).
+Shards with a marker are skipped on the next run; workers with different --shard
+share one --out. See docs/batch.md and docs/scale-out.md.
 """
 
 
@@ -71,9 +78,10 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--root", help="folder that relative paths in list/table inputs are "
                                   "relative to (default: the working directory)")
     p.add_argument("--shard", metavar="I/N",
-                   help="take only shard I of N (0-based), chosen by a hash of each path: "
-                        "N jobs with I=0..N-1 cover the input exactly once. Give each "
-                        "shard its own --out")
+                   help="take only shard I of N (0-based), chosen by a hash of each path "
+                        "(of each input shard's key in a sharded run): N jobs with "
+                        "I=0..N-1 cover the input exactly once. Give each its own --out, "
+                        "except in a sharded run, where all share one")
     p.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES, metavar="BYTES",
                    help="an input file (or tar member) larger than this fails alone with "
                         "an error row instead of being read (default: %(default)s)")
