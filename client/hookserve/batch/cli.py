@@ -61,7 +61,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help="output: NAME.h5, NAME.parquet, or a folder for .npy files")
     p.add_argument("--layers", action="append", required=True,
                    help="layer names, comma-separated or repeated; NAME:REDUCTION sets a "
-                        "reduction per layer (e.g. layer4:avg,fc)")
+                        "reduction per layer (e.g. layer4:avg,fc,layer3:input:stats)")
     p.add_argument("--model", help="model name (default: the server's default)")
     p.add_argument("--reduction", default="none", choices=list(REDUCTIONS),
                    help="reduction for layers without their own (default: %(default)s)")
