@@ -3,7 +3,9 @@
 It takes batches from its BatchQueue, drops images whose call was cancelled or whose
 deadline passed, runs the forward pass (capture/forward.py), splits a batch that runs
 out of memory, and hands finished batches to a completer thread, which waits for the
-device-to-host copy and gives each image its own answer, off the model's thread.
+device-to-host copy and gives each image its own answer, off the model's thread. A
+lone image on the CPU (nothing to wait for, nothing to copy out of a batch) is
+answered on the model's thread: one thread hop less where latency matters most.
 """
 
 from __future__ import annotations
@@ -131,6 +133,11 @@ class DeviceWorker:
             for it in items:
                 _fail(it, err)
             return
+        if not self._cuda and len(items) == 1:
+            # A lone image on the CPU: no copy to wait for and no rows to copy out of a
+            # batch, so the answer is handed out here, without a hop to the completer.
+            self._hand_out(None, items, outputs)
+            return
         event = None
         if self._cuda:
             event = torch.cuda.Event()
@@ -154,23 +161,26 @@ class DeviceWorker:
             job = self._done.get()
             if job is None:
                 return
-            event, items, outputs = job
-            try:
-                if event is not None:
-                    event.synchronize()
-                for it, out in zip(items, outputs, strict=True):
-                    if len(items) > 1:
-                        # A row is a view of the whole batch tensor: copy it, so a slow
-                        # reader holding one answer does not pin the batch's answers.
-                        out = [(spec, t.clone()) for spec, t in out]
-                    if not it.future.done():
-                        it.future.set_result([layer_output(s, t) for s, t in out])
-            except Exception:
-                log.exception("handing out a batch's answers failed")
-                for it in items:
-                    _fail(it, InternalError("internal error while handing out the answer"))
+            self._hand_out(*job)
             # As in _loop: don't pin the last batch's buffers while idle.
-            job = event = items = outputs = it = out = None
+            job = None
+
+    def _hand_out(self, event, items: list[WorkItem], outputs) -> None:
+        """Give each image its own answer (after the device-to-host copy, on CUDA)."""
+        try:
+            if event is not None:
+                event.synchronize()
+            for it, out in zip(items, outputs, strict=True):
+                if len(items) > 1:
+                    # A row is a view of the whole batch tensor: copy it, so a slow
+                    # reader holding one answer does not pin the batch's answers.
+                    out = [(spec, t.clone()) for spec, t in out]
+                if not it.future.done():
+                    it.future.set_result([layer_output(s, t) for s, t in out])
+        except Exception:
+            log.exception("handing out a batch's answers failed")
+            for it in items:
+                _fail(it, InternalError("internal error while handing out the answer"))
 
 
 def _fail(it: WorkItem, error: HookserveError) -> None:
