@@ -287,3 +287,23 @@ def test_brace_expansion_and_storage_options():
         {"anon": True, "endpoint_url": "http://x:1", "n": 3}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_storage_options(["novalue"])
+
+
+def test_list_of_urls_and_paths_is_sharded(det_server, tmp_path, capsys):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for i in range(3):
+        fs.pipe(f"/pics/{i}.png", encode(rand_image(32, 32, seed=900 + i)))
+        urls.append(f"memory://pics/{i}.png")
+    local = tmp_path / "x.png"
+    local.write_bytes(encode(rand_image(32, 32, seed=950)))
+    listing = tmp_path / "inputs.txt"
+    listing.write_text("\n".join([*urls, str(local), "memory://pics/missing.png"]) + "\n")
+    out = tmp_path / "o.parquet"
+    assert main(["batch", str(listing), "--sharded", "--listing-shards", "2", "--out",
+                 str(out), "--server", det_server.address, *OPTS]) == 1
+    rows, errs = read_out(None, str(out))
+    assert sorted(rows) == sorted([*urls, str(local)])
+    assert errs == ["memory://pics/missing.png"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from .. import errors
-from .inputs import IMAGE_EXTS, MAX_FILE_BYTES, encode_name, read_bytes
+from .inputs import IMAGE_EXTS, LIST_EXTS, MAX_FILE_BYTES, _list_file, encode_name, read_bytes
 from .remote import expand_braces, filesystem, is_url, walk_files
 
 
@@ -125,7 +125,14 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
                 shards.setdefault(spec, Shard(spec, "tar", spec))  # named: no request
                 continue
             files: list[str] = []
-            for path, size in _listing(spec, opts):
+            from_list = os.path.splitext(spec)[1].lower() in LIST_EXTS and os.path.isfile(spec)
+            if from_list:
+                listed = [(p, -1) for p in _list_file(spec)]  # paths or URLs, one a line
+            elif is_url(spec) and _is_image(spec) and not _glob.has_magic(spec):
+                listed = [(spec, -1)]  # one image: no listing (http has none)
+            else:
+                listed = _listing(spec, opts)
+            for path, size in listed:
                 low = path.lower()
                 if low.endswith(".tar"):
                     shards.setdefault(path, Shard(path, "tar", path))
@@ -134,7 +141,7 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
                         size = os.path.getsize(path)
                     for s in _parquet_shards(path, size, opts, shard_bytes):
                         shards.setdefault(s.key, s)
-                elif _is_image(path) or path == spec:
+                elif _is_image(path) or path == spec or from_list:
                     files.append(path)
             if not files:
                 continue
