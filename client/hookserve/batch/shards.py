@@ -193,27 +193,50 @@ def entries(shard: Shard, *, opts: dict | None = None, image_column: str | None 
     elif shard.kind == "parquet":
         yield from _parquet_entries(shard, opts, image_column, id_column)
     else:
-        for f in shard.files:
-            try:
-                data = _read_url(f, opts, max_bytes) if is_url(f) else read_bytes(f, max_bytes)
-            except errors.HookserveError as exc:
-                yield encode_name(f), exc
-                continue
-            yield encode_name(f), data
+        for i in range(0, len(shard.files), FETCH):
+            chunk = shard.files[i:i + FETCH]
+            fetched: dict = {}
+            for scheme in {f.split("://", 1)[0] for f in chunk if is_url(f)}:
+                fetched.update(_fetch_urls([f for f in chunk if f.startswith(scheme + "://")],
+                                           opts, max_bytes))
+            for f in chunk:
+                try:
+                    data = fetched[f] if is_url(f) else read_bytes(f, max_bytes)
+                    if isinstance(data, errors.HookserveError):
+                        raise data
+                except errors.HookserveError as exc:
+                    yield encode_name(f), exc
+                    continue
+                yield encode_name(f), data
 
 
-def _read_url(url: str, opts: dict, max_bytes: int) -> bytes:
+#: Objects of a listing shard fetched at once (concurrent GETs where the store allows).
+FETCH = 32
+
+
+def _fetch_urls(urls: list[str], opts: dict, max_bytes: int) -> dict:
+    """url -> bytes or typed error, for URLs of one scheme, fetched concurrently (one
+    GET each, no HEAD)."""
+    if not urls:
+        return {}
+    fs, _ = filesystem(urls[0], opts)
+    paths = {fs._strip_protocol(u): u for u in urls}
     try:
-        with _open(url, opts) as fh:
-            data = fh.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise errors.NotFound("cannot read: it vanished after the listing") from None
-    except OSError as exc:
-        raise errors.Unavailable(f"cannot read: {exc}") from None
-    if len(data) > max_bytes:
-        raise errors.InvalidArgument(f"over the per-file cap of {max_bytes} bytes "
-                                     "(raise --max-file-bytes)")
-    return data
+        got = fs.cat(list(paths), on_error="return")
+    except Exception as exc:  # noqa: BLE001 - the store failed as a whole: every url fails
+        got = dict.fromkeys(paths, exc)
+    out = {}
+    for p, u in paths.items():
+        data = got.get(p, FileNotFoundError(p))
+        if isinstance(data, FileNotFoundError):
+            data = errors.NotFound("cannot read: it vanished after the listing")
+        elif isinstance(data, BaseException):
+            data = errors.Unavailable(f"cannot read: {data}")
+        elif len(data) > max_bytes:
+            data = errors.InvalidArgument(f"{len(data)} bytes, over the per-file cap of "
+                                          f"{max_bytes} (raise --max-file-bytes)")
+        out[u] = data
+    return out
 
 
 def _tar_entries(path: str, opts: dict, max_bytes: int):
