@@ -176,14 +176,17 @@ def test_input_gradients_equal_definition(server, imgs, method):
 
 
 def test_summary_and_postprocessing(server, imgs):
-    spec = pb.AttributionSpec(layer="layer3", method=pb.ATTRIBUTION_METHOD_GRAD_CAM,
+    spec = pb.AttributionSpec(layer="layer3", method=pb.ATTRIBUTION_METHOD_HIRES_CAM,
                               preprocessing=NATIVE, relu=False)
-    (raw,) = attribute(server, spec, imgs[:1])
+    (raw,) = attribute(server, spec, imgs[:1], [9])
     spec.normalize, spec.upsample = True, True
-    (post,) = attribute(server, spec, imgs[:1])
+    (post,) = attribute(server, spec, imgs[:1], [9])
     m = ok(raw)["map"]
     t = raw["summary"].targets[0]
-    assert m.shape == (4, 4) and m.min() < 0                 # ReLU off: negatives stay
+    act, g, _, _ = grad_at("resnet18", "layer3", model_input(imgs[0]), 9)
+    want = CAM[pb.ATTRIBUTION_METHOD_HIRES_CAM](act, g)      # ReLU off: negatives stay
+    assert want.min() < 0
+    np.testing.assert_allclose(m, want.numpy(), **TOL)
     assert (t.map_min, t.map_max) == pytest.approx((m.min(), m.max()), rel=1e-5)
     assert ok(post)["map"].shape == (64, 64)
     assert post["map"].min() >= 0 and post["map"].max() <= 1 + 1e-6

@@ -92,6 +92,9 @@ def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
         "Extract": grpc.stream_stream_rpc_method_handler(
             servicer.Extract, request_deserializer=None,
             response_serializer=pb.ExtractResponse.SerializeToString),
+        "Attribute": grpc.stream_stream_rpc_method_handler(
+            servicer.Attribute, request_deserializer=None,
+            response_serializer=pb.AttributeResponse.SerializeToString),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels, request_deserializer=None,
             response_serializer=pb.ListModelsResponse.SerializeToString),

@@ -2,11 +2,14 @@
 
 Protobuf in (wire.py) -> domain objects -> Engine -> domain results -> protobuf out
 (wire.py). Errors are raised as domain errors and mapped to statuses by status.py.
-It counts open Extract streams (--max-streams); the drain state is the engine's.
+It counts open Extract streams (--max-streams) and Attribute streams (capped per
+method by stream_caps.py, --max-side-streams), so a drain waits for both; the drain
+state is the engine's.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -19,6 +22,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from . import wire
+from .attribution_spec import AttributionSpec
 from .errors import ResourceExhausted, Unavailable
 from .spec import ExtractionSpec, ImageResult
 from .status import mapped
@@ -39,7 +43,8 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
         self.telemetry = telemetry
         self.chunk_bytes = chunk_bytes
         self.max_streams = max_streams
-        self._active = 0
+        #: open streams by method ("Extract", "Attribute")
+        self._active: collections.Counter[str] = collections.Counter()
         self._cond = threading.Condition()
 
     # -- lifecycle, used by the server's shutdown ---------------------------------------
@@ -49,9 +54,9 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             self.engine.start_drain()
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until no Extract call is running; False on timeout."""
+        """Wait until no Extract or Attribute call is running; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._active == 0, timeout)
+            return self._cond.wait_for(lambda: not +self._active, timeout)
 
     def _refuse_if_draining(self) -> None:
         # Unary calls too: during a rolling restart the SDK then asks another replica.
@@ -59,21 +64,22 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             raise Unavailable("server is shutting down: retry on another replica")
 
     @contextlib.contextmanager
-    def _stream_slot(self):
-        """One of --max-streams Extract streams, for the length of the call."""
+    def _stream_slot(self, method: str = "Extract"):
+        """An open stream, counted for the length of the call; Extract streams are
+        capped at --max-streams here (Attribute's cap is in stream_caps.py)."""
         with self._cond:
             self._refuse_if_draining()
-            if self._active >= self.max_streams:
+            if method == "Extract" and self._active[method] >= self.max_streams:
                 raise ResourceExhausted(
-                    f"{self._active} Extract streams are open, this server's limit "
+                    f"{self._active[method]} Extract streams are open, this server's limit "
                     "(--max-streams): retry shortly or use another replica",
                     retry_after_s=1.0)
-            self._active += 1
+            self._active[method] += 1
         try:
             yield
         finally:
             with self._cond:
-                self._active -= 1
+                self._active[method] -= 1
                 self._cond.notify_all()
 
     # -- observation -------------------------------------------------------------------
@@ -108,6 +114,10 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             if isinstance(req, ExtractionSpec):
                 stats["model"] = self._model_label(req.model)
                 stats["layers"] = [layer.name[:100] for layer in req.layers[:32]]
+            elif isinstance(req, AttributionSpec):
+                stats["model"] = self._model_label(req.model)
+                stats["layers"] = [req.layer[:100]] if req.layer else []
+                stats["method"] = req.method.label
             yield req
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -128,23 +138,35 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             self._refuse_if_draining()
             m, (h, w), layers = self.engine.describe(request.model, request.input_height,
                                                      request.input_width)
-            return pb.DescribeModelResponse(model=wire.model_info(m), input_height=h,
-                                            input_width=w,
-                                            layers=[wire.layer_info(li) for li in layers])
+            return pb.DescribeModelResponse(
+                model=wire.model_info(m), input_height=h, input_width=w,
+                layers=[wire.layer_info(li) for li in layers],
+                gradient_bytes_per_image=self.engine.gradient_bytes(m, h, w))
 
     @mapped
     def Extract(self, request_iterator, context):
+        yield from self._stream("Extract", wire.requests(request_iterator), context,
+                                wire.tensor_messages, pb.ExtractResponse)
+
+    @mapped
+    def Attribute(self, request_iterator, context):
+        yield from self._stream("Attribute", wire.attribute_requests(request_iterator),
+                                context, wire.attribution_messages, pb.AttributeResponse)
+
+    def _stream(self, method: str, requests, context, messages, response_cls):
+        """One Extract or Attribute call: a Session over the parsed requests, each
+        image's answer as `messages(result, chunk_bytes)` then its status."""
         stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
-        with self._observed("Extract", context, stats), self._stream_slot():
+        with self._observed(method, context, stats), self._stream_slot(method):
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             session = self.engine.session(deadline)
             context.add_callback(session.cancel)
-            requests = self._noted(wire.requests(request_iterator), stats)
-            for result in session.run(requests):
-                yield from self._answer(result, stats)
+            for result in session.run(self._noted(requests, stats)):
+                yield from self._answer(result, stats, messages)
+                yield wire.status_message(result, response_cls)
 
-    def _answer(self, result: ImageResult, stats: dict) -> Iterator[pb.ExtractResponse]:
+    def _answer(self, result: ImageResult, stats: dict, messages) -> Iterator:
         model = stats["model"]
         stats["images"] += 1
         if result.error is not None:
@@ -152,10 +174,9 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             self.telemetry.image_done(model, result.error.code)
         else:
             t0 = time.perf_counter()
-            yield from wire.tensor_messages(result, self.chunk_bytes)
+            yield from messages(result, self.chunk_bytes)
             nbytes = sum(o.nbytes for o in result.outputs or ())
             stats["bytes"] += nbytes
             self.telemetry.serialize_seconds(time.perf_counter() - t0)
             self.telemetry.bytes_sent(model, nbytes)
             self.telemetry.image_done(model, "OK")
-        yield wire.status_message(result)

@@ -16,12 +16,25 @@ from google.rpc import status_pb2
 
 from hookserve.v1 import hookserve_pb2 as pb
 
+from .attribution_spec import (
+    DEFAULT_IG_STEPS,
+    DEFAULT_SG_SAMPLES,
+    DEFAULT_SG_SIGMA,
+    AttributeInput,
+    AttributionOutput,
+    AttributionSpec,
+    Baseline,
+    ClassScore,
+    Method,
+    Score,
+)
 from .errors import InvalidArgument
 from .spec import (
     DType,
     ExtractionSpec,
     ImageInput,
     ImageResult,
+    LayerOutput,
     LayerSpec,
     Mode,
     Preprocess,
@@ -69,18 +82,52 @@ def to_spec(msg: pb.ExtractionSpec) -> ExtractionSpec:
                   dtype=_enum(DType, lr.dtype, DType.FLOAT32, f"invalid dtype for {lr.name[:100]}"),
                   l2_normalize=lr.l2_normalize)
         for lr in msg.layers)
-    p = msg.preprocessing
-    pre = Preprocess(mode=_enum(Mode, p.mode, Mode.DEFAULT, "unknown preprocessing mode"),
-                     resize=p.resize, crop_height=p.crop_height, crop_width=p.crop_width)
-    return ExtractionSpec(model=msg.model, layers=layers, preprocessing=pre)
+    return ExtractionSpec(model=msg.model, layers=layers,
+                          preprocessing=to_preprocess(msg.preprocessing))
 
 
-def to_image(msg: pb.Image) -> ImageInput:
+def to_preprocess(p: pb.Preprocessing) -> Preprocess:
+    return Preprocess(mode=_enum(Mode, p.mode, Mode.DEFAULT, "unknown preprocessing mode"),
+                      resize=p.resize, crop_height=p.crop_height, crop_width=p.crop_width)
+
+
+def to_image(msg: pb.Image, cls: type[ImageInput] = ImageInput, **extra) -> ImageInput:
+    """An Image message as `cls` (ImageInput, or AttributeInput with its target)."""
     which = msg.WhichOneof("data")
     if which == "raw":
-        return ImageInput(msg.id, raw=msg.raw.pixels, height=msg.raw.height,
-                          width=msg.raw.width)
-    return ImageInput(msg.id, encoded=msg.encoded)
+        return cls(msg.id, raw=msg.raw.pixels, height=msg.raw.height, width=msg.raw.width,
+                   **extra)
+    return cls(msg.id, encoded=msg.encoded, **extra)
+
+
+def to_attribution_spec(msg: pb.AttributionSpec) -> AttributionSpec:
+    """Unset (zero) numbers take the defaults the proto documents."""
+    if msg.method == 0:
+        raise InvalidArgument(f"AttributionSpec.method is not set: use one of {Method.labels()}")
+    return AttributionSpec(
+        model=msg.model, layer=msg.layer,
+        method=_enum(Method, msg.method, None, "invalid method"),
+        score=_enum(Score, msg.score, Score.LOGIT, "invalid score"),
+        top_k=msg.top_k, preprocessing=to_preprocess(msg.preprocessing),
+        relu=msg.relu if msg.HasField("relu") else None,
+        normalize=msg.normalize, upsample=msg.upsample,
+        ig_steps=msg.ig_steps or DEFAULT_IG_STEPS,
+        ig_baseline=_enum(Baseline, msg.ig_baseline, Baseline.ZEROS, "invalid ig_baseline"),
+        sg_samples=msg.sg_samples or DEFAULT_SG_SAMPLES,
+        sg_sigma=msg.sg_sigma or DEFAULT_SG_SIGMA, sg_seed=msg.sg_seed)
+
+
+def attribute_requests(request_iterator: Iterable
+                       ) -> Iterator[AttributionSpec | AttributeInput]:
+    """An Attribute request stream (raw bytes per message) as specs and images."""
+    for n, req in enumerate(request_iterator):
+        req = parse(pb.AttributeRequest, req, f"request message {n}")
+        if req.WhichOneof("payload") == "spec":
+            yield to_attribution_spec(req.spec)
+        else:  # an image, or an empty message: an empty image gets its own error
+            img = req.image
+            yield to_image(img.image, AttributeInput, target=img.target_class
+                           if img.HasField("target_class") else None)
 
 
 def requests(request_iterator: Iterable) -> Iterator[ExtractionSpec | ImageInput]:
@@ -112,27 +159,55 @@ def layer_info(li: LayerInfo) -> pb.LayerInfo:
                         input_bytes_per_image=li.input_bytes)
 
 
-def status_message(result: ImageResult) -> pb.ExtractResponse:
-    """The message that ends one image's answer: OK, or its error."""
+def status_message(result: ImageResult, cls=pb.ExtractResponse):
+    """The message (an ExtractResponse or AttributeResponse) that ends one image's
+    answer: OK, or its error."""
     status = _OK if result.error is None else status_proto(result.error)
-    return pb.ExtractResponse(image_id=result.id, image_index=result.index, status=status)
+    return cls(image_id=result.id, image_index=result.index, status=status)
 
 
 def tensor_messages(result: ImageResult, chunk_bytes: int) -> Iterator[pb.ExtractResponse]:
     """One image's tensors as stream messages, in chunks of at most `chunk_bytes`."""
     for out in result.outputs or ():
-        total = out.nbytes
-        for off in range(0, max(total, 1), chunk_bytes):
-            # Fields are set one by one: passing a built TensorChunk (or its bytes)
-            # as a constructor keyword costs ~5 ms per 2 MiB chunk with upb
-            # protobuf (measured; docs/performance.md), this ~0.1 ms.
-            msg = pb.ExtractResponse(image_id=result.id, image_index=result.index)
-            c = msg.tensor
-            c.layer = out.name
-            c.dtype = out.dtype.value
-            c.shape.extend(out.shape)
-            c.columns.extend(out.columns)
-            c.total_bytes = total
-            c.offset = off
-            c.data = out.data[off:off + chunk_bytes].tobytes()
-            yield msg
+        yield from _chunks(result, out, chunk_bytes, pb.ExtractResponse, "tensor")
+
+
+def attribution_messages(result: ImageResult, chunk_bytes: int
+                         ) -> Iterator[pb.AttributeResponse]:
+    """One image's Attribute answer: its summary, then its map in chunks."""
+    for out in result.outputs or ():
+        yield pb.AttributeResponse(image_id=result.id, image_index=result.index,
+                                   summary=_summary(out))
+        yield from _chunks(result, out, chunk_bytes, pb.AttributeResponse, "map")
+
+
+def _score(s: ClassScore) -> pb.ClassScore:
+    return pb.ClassScore(class_index=s.class_index, logit=s.logit, probability=s.probability)
+
+
+def _summary(out: AttributionOutput) -> pb.AttributionSummary:
+    return pb.AttributionSummary(
+        targets=[pb.AttributionTarget(target=_score(t.target), map_min=t.map_min,
+                                      map_max=t.map_max, completeness_delta=t.delta)
+                 for t in out.targets],
+        top5=[_score(s) for s in out.top5])
+
+
+def _chunks(result: ImageResult, out: LayerOutput, chunk_bytes: int, cls, field: str):
+    """One tensor as `cls` messages whose TensorChunk `field` holds at most
+    `chunk_bytes` of it each."""
+    total = out.nbytes
+    for off in range(0, max(total, 1), chunk_bytes):
+        # Fields are set one by one: passing a built TensorChunk (or its bytes)
+        # as a constructor keyword costs ~5 ms per 2 MiB chunk with upb
+        # protobuf (measured; docs/performance.md), this ~0.1 ms.
+        msg = cls(image_id=result.id, image_index=result.index)
+        c = getattr(msg, field)
+        c.layer = out.name
+        c.dtype = out.dtype.value
+        c.shape.extend(out.shape)
+        c.columns.extend(out.columns)
+        c.total_bytes = total
+        c.offset = off
+        c.data = out.data[off:off + chunk_bytes].tobytes()
+        yield msg

@@ -88,7 +88,7 @@ class Preparer:
         self.limits.geometry(g)
         if spec.fixed_size is not None:
             return ImagePlan(g, spec.answer_bytes, spec.activation_bytes)
-        answer, activation = self.limits.answer(m, spec.layers, *g.input)
+        answer, activation = spec.sizes(self.limits, *g.input)
         return ImagePlan(g, answer, activation)
 
     def submit(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan, call: CallState,
@@ -111,7 +111,7 @@ class Preparer:
             if not isinstance(exc, HookserveError):
                 log.exception("preprocessing failed")
                 exc = InternalError("internal error while preprocessing the image")
-            fut.set_exception(exc)
+            fut.set_exception(exc.detached())
             return
         self.telemetry.preprocess_seconds(time.perf_counter() - t0)
         queue.put(item)
@@ -138,7 +138,8 @@ class Preparer:
             pixels = apply_geometry(arr, spec.preprocess, d.resize, d.crop)
         else:
             pixels = geometry_on_tensor(on_device, spec.preprocess, d.resize, d.crop)
-        return WorkItem(m, pixels, spec.layers, plan.activation_bytes, call, fut)
+        return WorkItem(m, pixels, spec.layers, plan.activation_bytes, call, fut,
+                        task=spec.task_for(image))
 
     def _decode_on_device(self, m: ServedModel, image: ImageInput) -> torch.Tensor | None:
         """--gpu-decode: a plain RGB JPEG decoded on the model's CUDA device, else None.

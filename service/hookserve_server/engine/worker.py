@@ -29,6 +29,7 @@ from ..errors import (
 )
 from ..spec import LayerOutput, LayerSpec
 from ..telemetry import Telemetry
+from .attribute import run_batch as attribution_batch
 from .queue import BatchQueue
 from .types import EngineConfig, WorkItem
 
@@ -144,16 +145,22 @@ class DeviceWorker:
             event.record()
         self._done.put((event, items, outputs))
 
-    def _forward(self, items: list[WorkItem]) -> list[list[tuple[LayerSpec, torch.Tensor]]]:
+    def _forward(self, items: list[WorkItem]) -> list[list]:
+        """Per image: (LayerSpec, tensor) pairs (Extract), or its finished answer, an
+        AttributionOutput on the CPU (Attribute: engine/attribute.py)."""
         model = items[0].model
         t0 = time.perf_counter()
-        plan = CapturePlan.for_batch(model, (it.layers for it in items))
         x = stack_inputs(model, [it.pixels for it in items], self.device)
-        captured = capture(model, x, plan)
-        if self._cuda:
-            captured = to_host(captured)
+        if items[0].task is not None:
+            outputs = attribution_batch(model, x, items)
+        else:
+            plan = CapturePlan.for_batch(model, (it.layers for it in items))
+            captured = capture(model, x, plan)
+            if self._cuda:
+                captured = to_host(captured)
+            outputs = [[(s, captured[s][i]) for s in it.layers] for i, it in enumerate(items)]
         self.telemetry.forward(model.name, len(items), time.perf_counter() - t0)
-        return [[(s, captured[s][i]) for s in it.layers] for i, it in enumerate(items)]
+        return outputs
 
     # -- the completer thread ----------------------------------------------------------
     def _complete_loop(self) -> None:
@@ -171,12 +178,14 @@ class DeviceWorker:
             if event is not None:
                 event.synchronize()
             for it, out in zip(items, outputs, strict=True):
-                if len(items) > 1:
-                    # A row is a view of the whole batch tensor: copy it, so a slow
-                    # reader holding one answer does not pin the batch's answers.
-                    out = [(spec, t.clone()) for spec, t in out]
+                if it.task is None:  # Attribute answers come finished
+                    if len(items) > 1:
+                        # A row is a view of the whole batch tensor: copy it, so a slow
+                        # reader holding one answer does not pin the batch's answers.
+                        out = [(spec, t.clone()) for spec, t in out]
+                    out = [layer_output(s, t) for s, t in out]
                 if not it.future.done():
-                    it.future.set_result([layer_output(s, t) for s, t in out])
+                    it.future.set_result(out)
         except Exception:
             log.exception("handing out a batch's answers failed")
             for it in items:
@@ -186,4 +195,4 @@ class DeviceWorker:
 def _fail(it: WorkItem, error: HookserveError) -> None:
     """End one image with an error (its permit is released by its future)."""
     if not it.future.done():
-        it.future.set_exception(error)
+        it.future.set_exception(error.detached())
