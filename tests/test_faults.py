@@ -404,7 +404,7 @@ def test_sigterm_drains_and_the_sdk_moves_the_rest(make_server):
         wait_until(lambda: seen[-1:] == [health_pb2.HealthCheckResponse.SERVING], 10,
                    "the watch to see SERVING")
         with hookserve.Client([a.address, b.address], timeout=120, max_in_flight=8) as c:
-            c._rr = itertools.count(0)           # pin the first stream to replica A
+            c._endpoints._rr = itertools.count(0)  # pin the first stream to replica A
             it = c.extract_many(imgs, "layer4", reduction="avg")
             first = next(it)
             assert first.ok
