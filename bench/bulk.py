@@ -15,6 +15,8 @@ ratios compare.
 Rows:
   s3_tar / local_tar       8 WebDataset tars on S3 vs the same tars on local disk
   s3_prefix / local_dir    loose images under an S3 prefix vs a local folder
+  s3_raw_get               the same objects fetched with no hookserve at all (the
+                           store's own rate: a ceiling for s3_prefix)
   ray / local_dir          Ray Data map_batches(HookserveMapper) over image bytes vs
                            the local CLI over the same images
   rss_10k, rss_100k        peak client RSS over 10k and 100k tiny images (100 tars)
@@ -133,6 +135,12 @@ def main() -> int:
                     if dt <= best["s"]:
                         best.update(s=dt, rss_mib=rss)
                     say(f"{name} rep {rep}: {n / dt:.1f} img/s, {rss:.0f} MiB")
+            # What the store itself gives: every loose object fetched by this process,
+            # 32 concurrent GETs at a time (moto is Python on the same 2 cores).
+            t0 = time.perf_counter()
+            for i in range(0, n, 32):
+                fs.cat([f"bench/dir/{j:06d}.jpg" for j in range(i, min(n, i + 32))])
+            res["rows"]["s3_raw_get"] = {"s": time.perf_counter() - t0}
             for r in res["rows"].values():
                 r["img_s"] = n / r["s"]
             R = res["rows"]
