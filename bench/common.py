@@ -70,7 +70,10 @@ class Proc:
         self._port: queue.Queue = queue.Queue()
         self._re = re.compile(port_re)
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, bufsize=1, env=env)
+                                  text=True, bufsize=1, env=env,
+                                  # its own process group: stop() signals the whole group,
+                                  # so servers that fork workers (LitServe) leave no orphans
+                                  start_new_session=True)
         threading.Thread(target=self._pump, daemon=True).start()
         try:
             port = self._port.get(timeout=timeout)
@@ -93,13 +96,19 @@ class Proc:
         self._port.put(None)
 
     def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
+        """SIGTERM the server's process group, SIGKILL it after 30 s."""
+        def signal_group(sig: int) -> None:
             try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+        signal_group(signal.SIGTERM)
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        signal_group(signal.SIGKILL)  # workers left behind by the leader, if any
+        self.p.wait()
 
 
 HOOKSERVE_PORT_RE = r"hookserve listening on \S+:(\d+)"
