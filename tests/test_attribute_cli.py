@@ -30,7 +30,9 @@ def test_attribute_writes_an_overlay_and_the_map_per_image(server, client, tmp_p
     assert sorted(f.name for f in out.iterdir()) == ["im0.npy", "im0.png", "im1.npy", "im1.png"]
     for p, name in zip(paths, ("im0", "im1"), strict=True):
         want = client.attribute(p, "layer4", "grad_cam", target=7, resize=64, crop=(56, 48))
-        np.testing.assert_array_equal(np.load(out / f"{name}.npy"), want.map)
+        # batched with the other images there, alone here: equal up to float rounding
+        np.testing.assert_allclose(np.load(out / f"{name}.npy"), want.map, rtol=1e-4,
+                                   atol=1e-5)
         with Image.open(out / f"{name}.png") as png:
             assert png.mode == "RGB" and png.size == (48, 56)   # the model's view, WxH
     assert "class 7" in r.stdout

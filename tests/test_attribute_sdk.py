@@ -144,11 +144,10 @@ def test_overlay_is_the_model_view_with_a_colour_map(client, imgs, tmp_path):
 
 def test_matches_captum_layer_grad_cam_through_the_sdk(client, imgs):
     captum_attr = pytest.importorskip("captum.attr")
-    model = oracle_model("vgg11")
-    a = client.attribute(imgs[3], "features.15", "grad_cam", model="vgg11", target=42,
-                         relu=False, **GEOMETRY)
+    model = oracle_model("resnet18")
+    a = client.attribute(imgs[3], "layer3", "grad_cam", target=42, relu=False, **GEOMETRY)
     with torch.enable_grad():
-        want = captum_attr.LayerGradCam(model, model.features[15]).attribute(
+        want = captum_attr.LayerGradCam(model, model.layer3).attribute(
             preprocessed(imgs[3]), target=42)
     np.testing.assert_allclose(a.map, want[0, 0].detach().numpy(), **TOL)
 
