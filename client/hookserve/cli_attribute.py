@@ -99,7 +99,9 @@ def _attribute(args) -> int:
                 png = base + (".png" if k is None else f".{k + 1}.png")
                 overlay(args.images[r.index], r, args.alpha, index=k or 0).save(png)
                 pngs.append(png)
-            classes = ",".join(f"{t.target.index} (p={t.target.prob:.3f})" for t in r.targets)
+            classes = ",".join(f"{t.target.index} (p={t.target.prob:.3f}"
+                               + ("" if t.delta is None else f", delta={t.delta:.4g}") + ")"
+                               for t in r.targets)
             print(f"{r.id}  class {classes}  map {'x'.join(map(str, r.map.shape))}  "
                   f"-> {base}.npy, {', '.join(pngs)}")
     return 1 if failed else 0
