@@ -164,8 +164,9 @@ def test_kill_9_mid_run_then_resume_equals_uninterrupted(det_server, s3, shards,
     """Watch the remote output while a run writes it: a part is never seen half
     written, a marker never before its part. Kill -9 after the first marker, resume."""
     out = "lake/killed.parquet"
+    # one shard at a time: after the first marker, seven shards are still to do
     cmd = [sys.executable, "-m", "hookserve.cli", "batch", TARS, "--out", f"s3://{out}",
-           "--server", det_server.address, "--streams", "2", *OPTS]
+           "--server", det_server.address, "--streams", "1", *OPTS]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     seen_parts = 0
     deadline = time.monotonic() + 120
