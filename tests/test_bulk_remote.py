@@ -308,3 +308,27 @@ def test_list_of_urls_and_paths_is_sharded(det_server, tmp_path, capsys):
     rows, errs = read_out(None, str(out))
     assert sorted(rows) == sorted([*urls, str(local)])
     assert errs == ["memory://pics/missing.png"]
+
+
+def test_sigterm_stops_a_sharded_run_with_130(det_server, tmp_path):
+    for t in range(4):
+        (tmp_path / f"{t}.tar").write_bytes(_tar(
+            [(f"{t}-{i}.png", encode(rand_image(32, 32, seed=t * 50 + i))) for i in range(25)]))
+    out = tmp_path / "o.parquet"
+    cmd = [sys.executable, "-m", "hookserve.cli", "batch", str(tmp_path / "{0..3}.tar"),
+           "--out", str(out), "--streams", "1", "--server", det_server.address, *OPTS]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.is_dir() and any(n.startswith("_done-") for n in os.listdir(out)):
+            break
+        time.sleep(0.01)  # polling a real condition (a marker on disk), bounded
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "run the same command again" in err
+    done = [n for n in os.listdir(out) if n.startswith("_done-")]
+    assert 1 <= len(done) < 4
+    assert main(["batch", str(tmp_path / "{0..3}.tar"), "--out", str(out), "--server",
+                 det_server.address, *OPTS]) == 0
+    assert len(pq.read_table(out).column("id")) == 100
