@@ -45,7 +45,9 @@ import hookserve
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="resnet18")
-    ap.add_argument("--layer", default="layer4")
+    ap.add_argument("--layer", default="layer4",
+                    help='the layer of both sides; "" for an input-space --method (Extract '
+                         'then asks for fc, the full forward)')
     ap.add_argument("--method", default="grad_cam")
     ap.add_argument("--images", type=int, default=64, help="images per side per round")
     ap.add_argument("--streams", type=int, default=2, help="concurrent streams per side")
@@ -104,7 +106,7 @@ def main() -> int:
     say(f"starting hookserve ({a.model}, {a.device}, {a.dtype}, batch {a.batch})")
     hs = Proc("hookserve", hookserve_argv([a.model], a), HOOKSERVE_PORT_RE)
     try:
-        extract = {a.layer: {"reduction": "avg"}}
+        extract = {a.layer or "fc": {"reduction": "avg"}}
         # warm-up: both paths, batch shapes and allocator pools
         streams_throughput(hs.address, a.model, extract, data[:a.streams * 2], a.streams)
         streams_throughput(hs.address, a.model, a.layer, data[:a.streams * 2], a.streams,
@@ -128,8 +130,9 @@ def main() -> int:
             res["rows"]["precision"] = precision(a, hs, data[:16], say)
     finally:
         hs.stop()
-    print(f"\n{a.model} {a.layer}, {a.streams} streams x {n} images, {a.device} {a.dtype}:")
-    print(f"  Extract  ({a.layer} avg)   {row['extract_img_s']:7.1f} img/s")
+    print(f"\n{a.model} {a.layer or 'input'}, {a.streams} streams x {n} images, "
+          f"{a.device} {a.dtype}:")
+    print(f"  Extract  ({a.layer or 'fc'} avg)   {row['extract_img_s']:7.1f} img/s")
     print(f"  Attribute ({a.method})  {row['attribute_img_s']:7.1f} img/s"
           f"   = {row['attribute_over_extract']:.2f} x Extract")
     if "precision" in res["rows"]:
