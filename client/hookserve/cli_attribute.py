@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from .attribution import BASELINES, CAM_METHODS, DEFAULT_LAYER, METHODS, SCORES
+from .attribution import AUTO_LAYER, BASELINES, DEFAULT_LAYER, METHODS, SCORES
 from .cli_args import add_connection_args, add_preprocessing_args, make_client
 
 
@@ -74,13 +74,12 @@ def _attribute(args) -> int:
     if not 0.0 <= args.alpha <= 1.0:
         print(f"error: --alpha must be in [0, 1], got {args.alpha}", file=sys.stderr)
         return 2
-    layer = args.layer or (DEFAULT_LAYER if args.method in CAM_METHODS else None)
     os.makedirs(args.out, exist_ok=True)
     names = _names(args.images)
     failed = 0
     with make_client(args) as c:
         results = c.attribute_many(
-            args.images, layer, args.method, model=args.model,
+            args.images, args.layer or AUTO_LAYER, args.method, model=args.model,
             targets=[args.target] * len(args.images), score=args.score, top_k=args.top_k,
             relu=args.relu, normalize=args.normalize, upsample=args.upsample,
             steps=args.steps, baseline=args.baseline, samples=args.samples,
