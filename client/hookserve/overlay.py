@@ -100,16 +100,18 @@ def overlay(image: Any, attribution: Any, alpha: float = 0.5, *, index: int = 0,
 
 
 def _to_pil(image: Any) -> Image.Image:
+    """The RGB image the server decoded from what the SDK sent (see images.to_image):
+    encoded bytes get EXIF orientation applied there; PIL images and arrays are sent as
+    raw pixels, as they are."""
     if isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
         img = Image.open(image if isinstance(image, (str, os.PathLike))
                          else io.BytesIO(bytes(image)))
         img.seek(0)  # GIF/TIFF: the first frame, as the server decodes
-    elif isinstance(image, Image.Image):
-        img = image
-    elif isinstance(image, np.ndarray):
+        return ImageOps.exif_transpose(img).convert("RGB")
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, np.ndarray):
         a = image[:, :, :3] if image.ndim == 3 else np.repeat(image[:, :, None], 3, axis=2)
         return Image.fromarray(np.ascontiguousarray(a, dtype=np.uint8))
-    else:
-        raise TypeError(f"unsupported image type {type(image).__name__}: pass a path, "
-                        "encoded bytes, a PIL image or an HxWx3 uint8 array")
-    return ImageOps.exif_transpose(img).convert("RGB")
+    raise TypeError(f"unsupported image type {type(image).__name__}: pass a path, "
+                    "encoded bytes, a PIL image or an HxWx3 uint8 array")
