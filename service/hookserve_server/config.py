@@ -13,6 +13,29 @@ import os
 MiB = 1 << 20
 
 
+def memory_bytes() -> int:
+    """Physical memory, or the cgroup (container) limit when that is lower."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    for path in ("/sys/fs/cgroup/memory.max",                     # cgroup v2
+                 "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v1
+        try:
+            with open(path) as fh:
+                limit = fh.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
+def default_buffer_bytes() -> int:
+    """--max-buffer-bytes default: a quarter of memory, at least 256 MiB."""
+    return max(256 * MiB, memory_bytes() // 4)
+
+
 def _env(flag: str) -> str:
     return "HOOKSERVE_" + flag.lstrip("-").upper().replace("-", "_")
 
@@ -106,15 +129,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--max-inflight-per-stream", default=64, type=int,
          help="images one stream may have unanswered; the stream then waits")
     _add(g, "--max-stream-buffer-bytes", default=256 * MiB, type=int,
-         help="answer bytes one stream may have admitted and not yet sent: the window "
-              "is this over the answer size per image (known from the spec for a fixed "
-              "input size, else from the largest answer so far; one image until then)")
+         help="answer bytes one stream may have reserved and not yet sent. Each image's "
+              "answer size is known from its header before it is decoded and reserved "
+              "first; while the buffer is full the stream's requests are not read "
+              "(backpressure). An answer bigger than this gets RESOURCE_EXHAUSTED")
+    _add(g, "--max-buffer-bytes", default=default_buffer_bytes(), type=int,
+         help="the same across all streams: answer bytes reserved and not yet sent. "
+              "Default: a quarter of the machine's (or the container's) memory")
     _add(g, "--max-image-pixels", default=50_000_000, type=int,
          help="largest image (width x height), checked before decoding")
     _add(g, "--max-response-bytes", default=1024 * MiB, type=int,
          help="largest estimated answer for one image (all layers, after reduction)")
     _add(g, "--max-input-side", default=8192, type=int,
          help="largest model input height or width after preprocessing")
+    _add(g, "--max-attribution-cost", default=1024, type=int,
+         help="largest Attribute request in forward-equivalents per image: passes x "
+              "(1 + 2 x targets), passes being 1, ig_steps + 1 (integrated gradients) or "
+              "sg_samples (smoothgrad, plus 1); costlier specs get INVALID_ARGUMENT")
     _add(g, "--gpu-decode", default=False, is_bool=True,
          help="decode plain RGB JPEGs on the model's CUDA device with torchvision's "
               "decode_jpeg; other images, CPU models and decoder failures use the CPU")

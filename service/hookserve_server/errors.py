@@ -19,6 +19,14 @@ class HookserveError(Exception):
         #: For overload errors: how long the client should wait before retrying.
         self.retry_after_s = retry_after_s
 
+    def detached(self) -> HookserveError:
+        """This error without the frames it was raised through, fit to be stored (in a
+        Future): a raised error's traceback holds its frames, whose locals hold the
+        future it is stored in, a reference cycle that keeps the frames' images and
+        answers alive until a garbage collection, which an idle server never runs."""
+        self.__traceback__ = self.__context__ = self.__cause__ = None
+        return self
+
 
 class InvalidArgument(HookserveError):
     """The request or image is malformed; the message says what to change."""

@@ -29,6 +29,11 @@ class Admission:
         with self._cond:
             return self._admitted
 
+    def wait_empty(self, timeout: float) -> bool:
+        """Until no image is admitted; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._admitted == 0, timeout)
+
     def close(self) -> None:
         """Refuse new images from now on (waiting ones get UNAVAILABLE)."""
         with self._cond:

@@ -4,7 +4,8 @@ the device workers. It never imports grpc.
 
 Data flow for one image::
 
-    Session reader thread --resolve/admit--> Preparer pool (decode, geometry, limits)
+    Session reader thread --resolve, plan (header: sizes, limits), reserve answer
+        bytes (budget), admit--> Preparer pool (decode, geometry)
         --> BatchQueue of the model's device --> DeviceWorker thread (stacks a batch,
         normalises on the device, forward pass with hooks, early stop)
         --> completer thread --> Future per image --> Session output, in send order.
@@ -15,19 +16,24 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import threading
 import time
 import weakref
 from concurrent.futures import Future
 
-from ..capture.table import LayerInfo
+from ..attribution_spec import AttributionSpec
+from ..capture.table import INPUT_SUFFIX, LayerInfo
 from ..errors import InvalidArgument, ModelNotFound
 from ..models import ServedModel
 from ..preprocess.geometry import fixed_input_size, validate_preprocess
 from ..spec import ExtractionSpec, ImageInput, LayerSpec, Mode, Preprocess
 from ..telemetry import Telemetry
 from .admission import Admission
+from .attribute import gradient_bytes, resolve_attribution
+from .budget import Budget
 from .limits import Limits
-from .prepare import Preparer
+from .memory import MemoryReturn
+from .prepare import ImagePlan, Preparer
 from .session import Session
 from .types import CallState, EngineConfig, ResolvedSpec
 from .worker import DeviceWorker
@@ -50,9 +56,14 @@ class Engine:
             self.models[m.name] = m
         self.default_model = models[0].name
         self._admission = Admission(self.config.max_queue, self.config.queue_wait_s)
+        #: answer bytes reserved by all streams (each stream's budget is a child)
+        self.budget = Budget(self.config.max_buffer_bytes, "--max-buffer-bytes")
+        #: returns freed answer memory to the OS once work stops
+        self.memory = MemoryReturn(busy=lambda: self._admission.admitted > 0)
         #: set by start_drain(): open streams stop taking new images
         self.draining = False
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self._sessions_changed = threading.Condition()
         self._workers: dict[str, DeviceWorker] = {}
         for m in models:
             key = str(m.device)
@@ -101,6 +112,17 @@ class Engine:
     def register(self, session: Session) -> None:
         """A running Session, told when a drain starts."""
         self._sessions.add(session)
+        weakref.finalize(session, self._session_gone)
+
+    def _session_gone(self) -> None:
+        with self._sessions_changed:
+            self._sessions_changed.notify_all()
+
+    def wait_sessions_gone(self, timeout: float) -> bool:
+        """Until no Session is alive. Sessions go by reference counting alone (nothing
+        they hold points back at them), so this needs no garbage collection."""
+        with self._sessions_changed:
+            return self._sessions_changed.wait_for(lambda: not self._sessions, timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Refuse new images, finish what is queued, stop the workers; returns within
@@ -112,6 +134,16 @@ class Engine:
         end = None if timeout is None else time.monotonic() + timeout
         for w in self._workers.values():
             w.close(end)
+        self.memory.close()
+
+    @property
+    def admission(self) -> Admission:
+        return self._admission
+
+    @property
+    def sessions(self) -> list[Session]:
+        """Sessions still alive (a finished call's session goes with its last reference)."""
+        return list(self._sessions)
 
     @property
     def queued(self) -> int:
@@ -143,9 +175,13 @@ class Engine:
         self.limits.input_size(f"input {h}x{w} is", h, w, fix="ask for a smaller input size")
         return m, (h, w), list(m.layer_table(h, w).values())
 
-    def resolve(self, spec: ExtractionSpec) -> ResolvedSpec:
+    def resolve(self, spec: ExtractionSpec | AttributionSpec) -> ResolvedSpec:
         """Validate a spec against its model (raises InvalidArgument / ModelNotFound)."""
         m = self.get_model(spec.model)
+        if isinstance(spec, AttributionSpec):
+            if spec.layer:
+                self._check_layer(m, spec.layer)
+            return resolve_attribution(self.limits, self.config.max_attribution_cost, m, spec)
         if not spec.layers:
             raise InvalidArgument(
                 f"no layers requested: name at least one layer of {m.name} "
@@ -156,9 +192,7 @@ class Engine:
             if layer.name in seen:
                 raise InvalidArgument(f"layer {layer.name!r} is requested twice: name it once")
             seen.add(layer.name)
-            self.limits.layer_name(layer.name)
-            if layer.name not in m.layer_index:
-                raise InvalidArgument(unknown_layer_message(layer.name, m))
+            self._check_layer(m, layer.name)
         validate_preprocess(spec.preprocessing)
         self.limits.preprocess(spec.preprocessing)
         fixed = fixed_input_size(spec.preprocessing, m.defaults.crop)
@@ -169,13 +203,28 @@ class Engine:
                                            activation_bytes=activation)
         return resolved
 
+    def _check_layer(self, m: ServedModel, name: str) -> None:
+        self.limits.layer_name(name)
+        if name not in m.layer_index:
+            raise InvalidArgument(unknown_layer_message(name, m))
+
+    def gradient_bytes(self, m: ServedModel, h: int, w: int) -> int:
+        """Memory one image holds in an Attribute pass of `m` at input HxW (the
+        input-space methods' figure, the largest), as DescribeModel reports it."""
+        return gradient_bytes(m.layer_table(h, w), None)
+
     # -- work ------------------------------------------------------------------------
-    def submit(self, spec: ResolvedSpec, image: ImageInput, call: CallState,
+    def plan(self, spec: ResolvedSpec, image: ImageInput) -> ImagePlan:
+        """An image's sizes and answer bytes from its header, checked against the limits."""
+        return self._preparer.plan(spec, image)
+
+    def submit(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan, call: CallState,
                fut: Future) -> None:
         """Admit one image and start preparing it; `fut` gets its outputs or error."""
         permit = self._admission.admit(call)
         permit.bind(fut)
-        self._preparer.submit(spec, image, call, fut, self._workers[str(spec.model.device)].queue)
+        self._preparer.submit(spec, image, plan, call, fut,
+                              self._workers[str(spec.model.device)].queue)
 
     def session(self, deadline: float | None = None) -> Session:
         return Session(self, deadline)
@@ -186,5 +235,7 @@ def unknown_layer_message(name: str, model: ServedModel) -> str:
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
     hint = f"closest valid layers: {', '.join(close)}" if close else (
         f"valid layers start with: {', '.join(names[:5])}")
+    outputs = sum(1 for n in names if not n.endswith(INPUT_SUFFIX))
     return (f"unknown layer {name!r} for model {model.name}; {hint}. "
-            f"DescribeModel (hookserve describe {model.name}) lists all {len(names)} layers")
+            f"DescribeModel (hookserve describe {model.name}) lists all {outputs} layers "
+            f"('<layer>{INPUT_SUFFIX}' names a layer's input)")

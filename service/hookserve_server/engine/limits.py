@@ -3,8 +3,9 @@
 Names and counts when a spec arrives; the input size when it is known (at the spec
 when a crop fixes it, else per image after decoding the header); answer and
 activation bytes from the layer table, before any forward pass. The pixel count of
-an image (--max-image-pixels) is checked by the decoder, from the header, before the
-pixels are decoded.
+an image (--max-image-pixels) is checked by the decoder, from the header, and every
+size after it (the resize before a crop, the model input) by `geometry`, also from the
+header: no pixel is decoded or resized before all of them passed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ..capture.reduce import reduced_bytes
 from ..capture.table import entry
 from ..errors import InvalidArgument, ModelNotFound, ResourceExhausted
 from ..models import ServedModel
+from ..preprocess.geometry import Geometry
 from ..spec import LayerSpec, Preprocess
 from .types import EngineConfig
 
@@ -57,7 +59,24 @@ class Limits:
         `what` begins the message ("input 9000x9000 is"), `fix` ends it."""
         side = self.config.max_input_side
         if max(sides) > side:
-            raise InvalidArgument(f"{what} over the limit of {side} pixels a side: {fix}")
+            raise InvalidArgument(
+                f"{what} over the limit of {side} pixels a side (--max-input-side): {fix}")
+
+    def geometry(self, g: Geometry) -> None:
+        """Every size an image goes through, from its header, before it is decoded:
+        the decoded size is bounded by the decoder (--max-image-pixels); here the
+        sides of the resized image (before a crop) and of the model input
+        (--max-input-side)."""
+        if g.resized is not None:
+            (dh, dw), (rh, rw) = g.decoded, g.resized
+            cropped = g.resized != g.input
+            what = (f"resizing the {dh}x{dw} image to {g.resize} on its shorter side "
+                    f"would make it {rh}x{rw}{' before the crop' if cropped else ''},")
+            fix = "send an image closer to square, or ask for a smaller resize"
+            self.input_size(what, rh, rw, fix=fix)
+        ih, iw = g.input
+        self.input_size(f"model input would be {ih}x{iw},", ih, iw,
+                        fix="downscale the image or use a resize")
 
     def preprocess(self, pre: Preprocess) -> None:
         for name, v in (("resize", pre.resize), ("crop_height", pre.crop_height),

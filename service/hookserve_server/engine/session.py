@@ -1,4 +1,5 @@
-"""One Extract call: a reader thread admits images; answers come back in send order."""
+"""One Extract or Attribute call: a reader thread admits images; answers come back in
+send order."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from ..attribution_spec import AttributionSpec
 from ..errors import HookserveError, InternalError, InvalidArgument, Unavailable
 from ..spec import ExtractionSpec, ImageInput, ImageResult
+from .budget import Reservation
 from .limits import MAX_ID_CHARS
 from .types import CallState, ResolvedSpec
 
@@ -34,18 +37,23 @@ class Session:
     """One Extract call: reads requests, keeps a bounded window, answers in order.
 
     The window bounds images admitted and not yet yielded, by count
-    (``max_inflight_per_stream``) and by answer bytes (``max_stream_buffer_bytes``).
-    Per-image answer bytes come from the spec when the input size is fixed, else from
-    the largest answer seen so far on this stream (one image at a time until then).
+    (``max_inflight_per_stream``), and by answer bytes: each image's answer size is
+    known from its header before it is decoded (engine/prepare.py, ``plan``), and is
+    reserved in this stream's budget (``max_stream_buffer_bytes``) and the global one
+    (``max_buffer_bytes``) before the image is admitted (engine/budget.py). While
+    either is full the reader stops reading requests. A reservation is released when
+    its answer has been handed on (the consumer asked for the next one), or when the
+    call ends without sending it.
     """
 
     def __init__(self, engine: Engine, deadline: float | None = None) -> None:
         self.engine = engine
         #: What queued work items see of this call (never the Session itself).
         self.call = CallState(deadline)
+        self._budget = engine.budget.child(engine.config.max_stream_buffer_bytes,
+                                           "--max-stream-buffer-bytes")
         self._cond = threading.Condition()
         self._inflight = 0
-        self._largest_answer = 0   # bytes of the largest answer seen on this stream
         self._reader_done = False
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         # 64-bit digests of the last ID_HISTORY non-empty ids, oldest first.
@@ -60,6 +68,7 @@ class Session:
         with self._cond:
             self.call.cancel()
             self._cond.notify_all()
+        self._budget.wake()
 
     def drain(self) -> None:
         """Shutdown began: end the call now if nothing of it is in flight."""
@@ -68,17 +77,10 @@ class Session:
                 self._out.put(drain_error())
 
     # -- the window ----------------------------------------------------------------------
-    def _limit(self, spec: ResolvedSpec) -> int:
-        cfg = self.engine.config
-        per_image = spec.answer_bytes if spec.fixed_size else self._largest_answer
-        if per_image <= 0:  # size varies and nothing seen yet: one image to learn it
-            return 1
-        return max(1, min(cfg.max_inflight_per_stream,
-                          cfg.max_stream_buffer_bytes // per_image))
-
-    def _acquire(self, spec: ResolvedSpec) -> bool:
+    def _acquire(self) -> bool:
+        limit = self.engine.config.max_inflight_per_stream
         with self._cond:
-            while self._inflight >= self._limit(spec) and not self.cancelled:
+            while self._inflight >= limit and not self.cancelled:
                 self._cond.wait()
             if self.cancelled:
                 return False
@@ -90,12 +92,21 @@ class Session:
             self._inflight -= 1
             self._cond.notify_all()
 
-    def _observe(self, result: ImageResult) -> None:
-        n = sum(o.nbytes for o in result.outputs or ())
-        with self._cond:
-            if n > self._largest_answer:
-                self._largest_answer = n
-                self._cond.notify_all()  # the window may grow
+    def _free(self, reservation: Reservation | None) -> None:
+        """An answer was handed on or dropped: its bytes leave the budgets."""
+        if reservation is not None:
+            reservation.release()
+            self.engine.memory.freed(reservation.nbytes)
+
+    def _drop_unsent(self) -> None:
+        """The call ended: release what waits in the output queue (answers included)."""
+        while True:
+            try:
+                entry = self._out.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(entry, tuple):
+                self._free(entry[3])
 
     def _check_id(self, image_id: str) -> None:
         if not image_id:
@@ -129,21 +140,28 @@ class Session:
                 if entry is None:
                     return
                 if isinstance(entry, HookserveError):
-                    raise entry
-                index, image_id, fut = entry
-                try:
-                    result = ImageResult(index, image_id, outputs=fut.result())
-                    self._observe(result)
-                except HookserveError as exc:
-                    result = ImageResult(index, image_id, error=exc)
+                    try:
+                        raise entry.detached()
+                    finally:
+                        entry = None  # (this frame must not hold what it raised)
+                index, image_id, fut, reservation = entry
+                # Read the error without raising it: a raised error would tie this frame
+                # to the future it is stored in (a reference cycle).
+                error = fut.exception()
+                result = (ImageResult(index, image_id, error=error) if error is not None
+                          else ImageResult(index, image_id, outputs=fut.result()))
+                entry = fut = error = None
                 try:
                     yield result
                 finally:
+                    result = None
+                    self._free(reservation)
                     self._release()
                     if self.engine.draining:
                         self.drain()
         finally:
             self.cancel()
+            self._drop_unsent()
 
     def _read(self, requests) -> None:
         out = self._out
@@ -153,7 +171,7 @@ class Session:
             for req in requests:
                 if self.cancelled:
                     break
-                if isinstance(req, ExtractionSpec):
+                if isinstance(req, (ExtractionSpec, AttributionSpec)):
                     spec = self.engine.resolve(req)
                     continue
                 if spec is None:
@@ -161,18 +179,30 @@ class Session:
                         "an image came before any ExtractionSpec: send a spec first")
                 if self.engine.draining:
                     raise drain_error()
-                if not self._acquire(spec):
-                    break
                 # The future is all later stages hold of this image's call, with
                 # self.call; nothing they keep points back to this Session.
                 fut: Future = Future()
+                reservation = plan = None
                 try:
                     self._check_id(req.id)
-                    self.engine.submit(spec, req, self.call, fut)
+                    plan = self.engine.plan(spec, req)  # from the header: sizes, bytes
+                    reservation = self._budget.reserve(plan.answer_bytes,
+                                                       lambda: self.cancelled)
+                    if reservation is None:  # cancelled while waiting for room
+                        break
                 except HookserveError as exc:
-                    fut.set_exception(exc)
+                    fut.set_exception(exc.detached())
+                if not self._acquire():  # cancelled
+                    self._free(reservation)
+                    break
+                if reservation is not None:
+                    try:
+                        self.engine.submit(spec, req, plan, self.call, fut)
+                    except HookserveError as exc:
+                        fut.set_exception(exc.detached())
                 # An over-long id is not echoed back (the answer carries image_index).
-                out.put((index, req.id if len(req.id) <= MAX_ID_CHARS else "", fut))
+                out.put((index, req.id if len(req.id) <= MAX_ID_CHARS else "", fut,
+                         reservation))
                 index += 1
         except HookserveError as exc:
             out.put(exc)
@@ -183,4 +213,6 @@ class Session:
         finally:
             with self._cond:
                 self._reader_done = True
+            if self.cancelled:  # run() may have emptied the queue before our last put
+                self._drop_unsent()
             out.put(None)

@@ -34,8 +34,10 @@ class EngineConfig:
     queue_wait_s: float = 2.0
     #: Images of one stream admitted but not yet answered (backpressure beyond that).
     max_inflight_per_stream: int = 64
-    #: Bytes of answers one stream may have computed but not yet sent.
+    #: Bytes of answers one stream may have reserved and not yet sent.
     max_stream_buffer_bytes: int = 256 << 20
+    #: The same across all streams (--max-buffer-bytes).
+    max_buffer_bytes: int = 2 << 30
     max_image_pixels: int = 50_000_000
     #: Estimated response bytes for one image (all its layers, after reduction).
     max_response_bytes: int = 1 << 30

@@ -24,6 +24,25 @@ def _mpx(n: int) -> str:
     return f"{n:,} pixels ({n / 1e6:.1f} Mpx)"
 
 
+#: EXIF orientations that swap width and height (transpose, rotate 90/270, transverse).
+_SWAPS_SIDES = frozenset({5, 6, 7, 8})
+
+
+def read_header(image: ImageInput, max_pixels: int) -> tuple[int, int]:
+    """The (height, width) `decode` will return, from the header alone (EXIF
+    orientation counted); nothing is decoded. Raises InvalidArgument like `decode`."""
+    if image.raw is not None:
+        _check_raw(image, max_pixels)
+        return image.height, image.width
+    img = _open(image.encoded, max_pixels)
+    w, h = img.size
+    try:
+        orientation = img.getexif().get(0x0112)
+    except Exception:  # a broken EXIF block: exif_transpose ignores it too
+        orientation = None
+    return (w, h) if orientation in _SWAPS_SIDES else (h, w)
+
+
 def decode(image: ImageInput, max_pixels: int) -> np.ndarray:
     """Decode an image to an HxWx3 uint8 RGB array, EXIF orientation applied.
 
@@ -32,6 +51,25 @@ def decode(image: ImageInput, max_pixels: int) -> np.ndarray:
     if image.raw is not None:
         return _raw_to_array(image, max_pixels)
     data = image.encoded
+    img = _open(data, max_pixels)
+    fmt = img.format
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img.seek(0)  # GIF/TIFF: first frame
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            return _to_rgb_array(img)
+    except InvalidArgument:
+        raise
+    except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError...
+        raise InvalidArgument(
+            f"{fmt} data is corrupt or truncated ({len(data)} bytes): {exc}"
+        ) from None
+
+
+def _open(data: bytes | None, max_pixels: int) -> Image.Image:
+    """PIL's lazy open (the header only), with format and pixel-count checks."""
     if not data:
         raise InvalidArgument(
             "image is empty (0 bytes): send the bytes of an encoded image "
@@ -60,22 +98,16 @@ def decode(image: ImageInput, max_pixels: int) -> np.ndarray:
             f"image is {w}x{h} = {_mpx(w * h)}, over this server's limit of "
             f"{_mpx(max_pixels)} (--max-image-pixels): downscale it before sending"
         )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            img.seek(0)  # GIF/TIFF: first frame
-            img.load()
-            img = ImageOps.exif_transpose(img)
-            return _to_rgb_array(img)
-    except InvalidArgument:
-        raise
-    except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError...
-        raise InvalidArgument(
-            f"{fmt} data is corrupt or truncated ({len(data)} bytes): {exc}"
-        ) from None
+    return img
 
 
 def _raw_to_array(image: ImageInput, max_pixels: int) -> np.ndarray:
+    _check_raw(image, max_pixels)
+    return np.frombuffer(image.raw or b"", dtype=np.uint8).reshape(image.height,
+                                                                   image.width, 3)
+
+
+def _check_raw(image: ImageInput, max_pixels: int) -> None:
     h, w, raw = image.height, image.width, image.raw or b""
     if h <= 0 or w <= 0:
         raise InvalidArgument(
@@ -91,7 +123,6 @@ def _raw_to_array(image: ImageInput, max_pixels: int) -> np.ndarray:
             f"raw pixels are {len(raw)} bytes but height x width x 3 = {h}x{w}x3 = "
             f"{h * w * 3}: send HxWx3 uint8 RGB, rows top to bottom"
         )
-    return np.frombuffer(raw, dtype=np.uint8).reshape(h, w, 3)
 
 
 def _to_rgb_array(img: Image.Image) -> np.ndarray:

@@ -1,14 +1,17 @@
 """Geometry: resize and center-crop to the model's input, on a uint8 image.
 
 One rule for every path: `geometry_params` says what a Preprocess does for a model,
-`geometry_size` predicts the resulting size without touching pixels (limits and the
-layer table use it), and `apply_geometry` / `geometry_on_tensor` do it on the CPU or
-on an image already on the model's device. Normalisation (to float, minus mean, over
+`plan_geometry` predicts every size the image goes through without touching pixels
+(engine/limits.py checks them from the header, before decoding), and
+`apply_geometry` / `geometry_on_tensor` do it on the CPU or on an image already on the
+model's device. Normalisation (to float, minus mean, over
 std) happens later on the model's device, on the whole batch, so only uint8 crosses
 host to device.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -59,15 +62,30 @@ def fixed_input_size(pre: Preprocess, default_crop: tuple[int, int]) -> tuple[in
     return None
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """Every size one image goes through, known from its header before decoding."""
+
+    decoded: tuple[int, int]
+    #: the shorter side to resize to (0: none), and the size after that resize
+    resize: int
+    resized: tuple[int, int] | None
+    #: the model input (after the crop, if any)
+    input: tuple[int, int]
+
+
+def plan_geometry(pre: Preprocess, default_resize: int, default_crop: tuple[int, int],
+                  h: int, w: int) -> Geometry:
+    """The sizes `apply_geometry` will produce for an HxW image."""
+    resize, crop = geometry_params(pre, default_resize, default_crop)
+    resized = _resized(h, w, resize) if resize else None
+    return Geometry((h, w), resize, resized, crop or resized or (h, w))
+
+
 def geometry_size(pre: Preprocess, default_resize: int, default_crop: tuple[int, int],
                   h: int, w: int) -> tuple[int, int]:
     """The model-input size that `apply_geometry` will produce for an HxW image."""
-    resize, crop = geometry_params(pre, default_resize, default_crop)
-    if resize:
-        h, w = _resized(h, w, resize)
-    if crop:
-        h, w = crop
-    return h, w
+    return plan_geometry(pre, default_resize, default_crop, h, w).input
 
 
 def _resized(h: int, w: int, size: int) -> tuple[int, int]:

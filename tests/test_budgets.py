@@ -1,0 +1,187 @@
+"""Issue 12, defects 1 and 2: every client-controlled cost is bounded before it is paid.
+
+1. Geometry: every intermediate size (decoded, resized, cropped) is computed from the
+   image header before decoding and checked against the limits; a tiny PNG can no
+   longer become a 256x256000 resize.
+2. Answer buffers: each answer's bytes are reserved before it is computed, per stream
+   (--max-stream-buffer-bytes) and across streams (--max-buffer-bytes); a full budget
+   stops reading the stream (backpressure), an answer over the whole budget gets
+   RESOURCE_EXHAUSTED without a retry hint. Measured as the server process's RSS (the
+   server runs in this process; answers over glibc's mmap threshold are returned to the
+   OS as soon as they are freed).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+import hookserve
+from hookserve.v1 import hookserve_pb2 as pb
+
+from conftest import encode, rand_image
+
+R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0",
+       "--max-batch-delay-ms", "2"]
+MiB = 1 << 20
+CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def rss() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def png(w: int, h: int) -> bytes:
+    return encode(np.full((h, w, 3), 90, np.uint8))
+
+
+# -- 1: geometry ---------------------------------------------------------------------------
+@pytest.mark.parametrize("data, options, sizes", [
+    (png(1000, 1), {}, "256x256000"),                      # 1xN, default preprocessing
+    (png(1, 1000), {}, "256000x256"),                      # Nx1
+    (png(24, 8), {"resize": 4096, "crop": 224}, "4096x12288"),  # huge resize, small crop
+    (png(1000, 1), {"resize": 64}, "64x64000"),            # resize, no crop
+    (png(9000, 2), {"native": True}, "2x9000"),            # native: decoded = input
+], ids=["1xN-default", "Nx1-default", "resize4096-crop224", "resize-no-crop", "native"])
+def test_intermediate_sizes_are_refused_from_the_header(server, data, options, sizes):
+    t0 = time.monotonic()
+    with server.client(timeout=60, retries=0) as c:
+        results = list(c.extract_many([data, rand_image(40, 40)], ["conv1"], **options))
+    err = results[0].error
+    assert err is not None and err.code == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert sizes in str(err) and "--max-input-side" in str(err), str(err)
+    assert results[1].ok  # the stream goes on
+    assert time.monotonic() - t0 < 5  # nothing was resized
+
+
+def test_raw_pixels_get_the_same_geometry_check(server):
+    with server.client(timeout=60, retries=0) as c:
+        [r] = list(c.extract_many([np.zeros((1, 1000, 3), np.uint8)], ["conv1"]))
+    assert r.error is not None and "256x256000" in str(r.error)
+
+
+def test_exif_rotation_counts_in_the_geometry(server):
+    im = Image.fromarray(np.zeros((1, 1000, 3), np.uint8))
+    exif = im.getexif()
+    exif[0x0112] = 6  # displayed rotated: 1000 high, 1 wide
+    buf = io.BytesIO()
+    im.save(buf, "PNG", exif=exif)
+    with server.client(timeout=60, retries=0) as c:
+        [r] = list(c.extract_many([buf.getvalue()], ["conv1"]))
+    assert r.error is not None and "256000x256" in str(r.error), str(r.error)
+
+
+def test_wide_images_within_the_limits_still_work(server):
+    with server.client(timeout=60, retries=0) as c:
+        out = c.extract(png(3000, 100), ["conv1"])  # resized to 256x7680, then cropped
+    assert out["conv1"].shape == (64, 112, 112)
+
+
+# -- 2: answer buffers ---------------------------------------------------------------------
+def _spec(**pre) -> pb.ExtractRequest:
+    return pb.ExtractRequest(spec=pb.ExtractionSpec(
+        model="resnet18", layers=[pb.LayerRequest(name="conv1")],
+        preprocessing=pb.Preprocessing(mode=pb.Preprocessing.MODE_NATIVE, **pre)))
+
+
+def _raw(i: int, side: int) -> pb.ExtractRequest:
+    return pb.ExtractRequest(image=pb.Image(id=str(i), raw=pb.RawImage(
+        height=side, width=side, pixels=bytes(side * side * 3))))
+
+
+def _extract(ch):
+    return ch.stream_stream("/hookserve.v1.FeatureExtractor/Extract",
+                            request_serializer=pb.ExtractRequest.SerializeToString,
+                            response_deserializer=pb.ExtractResponse.FromString)
+
+
+def _answers(call) -> dict[str, str]:
+    """Read a whole stream: image id -> 'OK' or the status code name."""
+    out = {}
+    for msg in call:
+        if msg.HasField("status"):
+            out[msg.image_id] = CODE_NAMES[msg.status.code]
+    return out
+
+
+def _wait_blocked(s, streams: int, timeout: float = 60) -> None:
+    """Until `streams` readers wait for buffer room and nothing is being computed."""
+    budget = s.engine.budget
+    assert budget.wait_for(lambda: budget.waiting >= streams, timeout), budget.waiting
+    assert s.engine.admission.wait_empty(timeout)
+
+
+SIDE = 768                        # resnet18 conv1 at 768x768: 64x384x384 float32
+ANSWER = 64 * 384 * 384 * 4       # 37.7 MB, over glibc's mmap threshold
+
+
+def test_a_stream_that_is_not_read_holds_its_buffer_and_one_answer(make_server):
+    s = make_server(*R18, "--max-stream-buffer-bytes", str(64 * MiB))
+    with grpc.insecure_channel(s.address) as ch:
+        # warm the allocator and the model at this size
+        assert _answers(_extract(ch)(iter([_spec(), _raw(0, SIDE)]))) == {"0": "OK"}
+        base = rss()
+        reqs = [_spec(), _raw("tiny", 16)] + [_raw(i, SIDE) for i in range(12)]
+        call = _extract(ch)(iter(reqs))  # never read until the end
+        _wait_blocked(s, 1)
+        grown = rss() - base
+        assert s.engine.budget.reserved <= 64 * MiB
+        # the buffer, plus one answer on its way out, plus 40 MiB for everything else
+        assert grown < 64 * MiB + ANSWER + 40 * MiB, f"grew {grown / MiB:.0f} MiB"
+        answers = _answers(call)
+    assert answers == {"tiny": "OK", **{str(i): "OK" for i in range(12)}}  # none lost
+
+
+def test_all_streams_together_stay_within_the_global_budget(make_server):
+    s = make_server(*R18, "--max-stream-buffer-bytes", str(80 * MiB),
+                    "--max-buffer-bytes", str(80 * MiB))
+    n = 3
+    with grpc.insecure_channel(s.address) as ch:
+        assert _answers(_extract(ch)(iter([_spec(), _raw(0, SIDE)]))) == {"0": "OK"}
+        base = rss()
+        calls = [_extract(ch)(iter([_spec()] + [_raw(i, SIDE) for i in range(6)]))
+                 for _ in range(n)]
+        _wait_blocked(s, n)
+        grown = rss() - base
+        assert s.engine.budget.reserved <= 80 * MiB
+        assert grown < 80 * MiB + n * ANSWER + 40 * MiB, f"grew {grown / MiB:.0f} MiB"
+        # health answers within a second while every stream is stuck
+        t0 = time.monotonic()
+        assert health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(), timeout=5).status == 1
+        assert time.monotonic() - t0 < 1.0
+        results = [None] * n
+
+        def read(k):
+            results[k] = _answers(calls[k])
+
+        readers = [threading.Thread(target=read, args=(k,)) for k in range(n)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(120)
+    assert all(r == {str(i): "OK" for i in range(6)} for r in results), results
+
+
+def test_an_answer_over_the_whole_budget_is_refused_without_retry_hint(make_server):
+    s = make_server(*R18, "--max-stream-buffer-bytes", str(32 * MiB))
+    with s.client(timeout=60, retries=0) as c:
+        results = list(c.extract_many([np.zeros((SIDE, SIDE, 3), np.uint8),
+                                       rand_image(64, 64)], ["conv1"], native=True))
+    err = results[0].error
+    assert err is not None and err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.retry_after_s is None
+    assert "--max-stream-buffer-bytes" in str(err)
+    assert results[1].ok
+    assert hookserve  # typed errors come from the SDK
