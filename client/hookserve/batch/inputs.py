@@ -53,7 +53,8 @@ def _walk(root: str) -> Iterator[str]:
                 yield os.path.join(dirpath, name)
 
 
-def _list_file(path: str) -> Iterator[str]:
+def list_file(path: str) -> Iterator[str]:
+    """The paths (or URLs) of a list file, one a line; blank lines and # comments skipped."""
     # surrogateescape: a listed name that is not valid UTF-8 is kept, not a crash
     with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for line in fh:
@@ -107,7 +108,7 @@ def discover(specs: Iterable[str], *, path_column: str = "path",
         if os.path.isfile(spec):
             ext = os.path.splitext(spec)[1].lower()
             if ext in LIST_EXTS:
-                listed = _list_file(spec)
+                listed = list_file(spec)
             elif ext in TABLE_EXTS:
                 listed = _table(spec, path_column)
             else:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from .. import errors
-from .inputs import IMAGE_EXTS, LIST_EXTS, MAX_FILE_BYTES, _list_file, encode_name, read_bytes
+from .inputs import IMAGE_EXTS, LIST_EXTS, MAX_FILE_BYTES, encode_name, list_file, read_bytes
 from .remote import expand_braces, filesystem, is_url, walk_files
 
 
@@ -127,7 +127,7 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
             files: list[str] = []
             from_list = os.path.splitext(spec)[1].lower() in LIST_EXTS and os.path.isfile(spec)
             if from_list:
-                listed = [(p, -1) for p in _list_file(spec)]  # paths or URLs, one a line
+                listed = [(p, -1) for p in list_file(spec)]  # paths or URLs, one a line
             elif is_url(spec) and _is_image(spec) and not _glob.has_magic(spec):
                 listed = [(spec, -1)]  # one image: no listing (http has none)
             else:
