@@ -120,11 +120,18 @@ def resolve_attribution(limits: Limits, max_cost: int, m: ServedModel,
 
 
 def _last_conv_like(table: dict[str, LayerInfo]) -> str:
-    """The last layer with a [C, h, w] output of a top-level module ("layer4",
-    "features.19"): a sensible CAM layer to suggest."""
-    names = [n for n, li in table.items() if len(li.shape) == 3 and "_" not in n]
-    top = [n for n in names if n.count(".") <= 1 and not n.startswith("avgpool")]
-    return (top or names or ["?"])[-1]
+    """A CAM layer to suggest: the last [C, h, w] output that is not a pooling
+    layer's (nor a container's that ends in one): resnet "layer4", vgg "features.19"."""
+    rows = list(table.values())
+
+    def pooled(li: LayerInfo) -> bool:
+        inner = [r for r in rows if r.module.startswith(li.module + ".")]
+        last = max(inner, key=lambda r: r.order) if inner else li
+        return "Pool" in last.type
+
+    names = [li.name for li in rows
+             if len(li.shape) == 3 and "_" not in li.name and not pooled(li)]
+    return (names or ["layer4"])[-1]
 
 
 def gradient_bytes(table: dict[str, LayerInfo], layer: str | None, targets: int = 1) -> int:

@@ -176,7 +176,8 @@ class Session:
                     continue
                 if spec is None:
                     raise InvalidArgument(
-                        "an image came before any ExtractionSpec: send a spec first")
+                        "an image came before any spec: send a spec first (an ExtractionSpec "
+                        "on Extract, an AttributionSpec on Attribute)")
                 if self.engine.draining:
                     raise drain_error()
                 # The future is all later stages hold of this image's call, with
