@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
+from test_memory_return import rss
 
 import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
@@ -32,14 +33,6 @@ R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0",
        "--max-batch-delay-ms", "2"]
 MiB = 1 << 20
 CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
-
-
-def rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def png(w: int, h: int) -> bytes:
