@@ -74,10 +74,10 @@ def _run(server, *argv, timeout: float = 120):
                            env={**os.environ, "PYTHONIOENCODING": "utf-8"})
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "npy"])
+@pytest.mark.parametrize("fmt", ["parquet", "npy", "h5"])
 def test_odd_files_each_get_a_row_and_resume_works(fmt, odd_folder, server, tmp_path):
     root, listing = odd_folder
-    out = tmp_path / ("out.parquet" if fmt == "parquet" else "out")
+    out = tmp_path / {"parquet": "out.parquet", "h5": "out.h5", "npy": "out"}[fmt]
     argv = [str(root), str(listing), "--out", str(out), "--max-file-bytes", "20000"]
     p = _run(server, *argv)
     assert p.returncode == 1, p.stderr.decode(errors="replace")  # some failed, none hung
@@ -96,6 +96,10 @@ def test_odd_files_each_get_a_row_and_resume_works(fmt, odd_folder, server, tmp_
 
     if fmt == "parquet":
         written = pq.read_table(out, columns=["path"]).column("path").to_pylist()
+    elif fmt == "h5":
+        import h5py
+        with h5py.File(out, "r") as f:
+            written = [p.decode() for p in f["paths"][:]]
     else:
         import json
         with open(out / "index.jsonl", encoding="utf-8") as fh:
