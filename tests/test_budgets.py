@@ -178,3 +178,44 @@ def test_an_answer_over_the_whole_budget_is_refused_without_retry_hint(make_serv
     assert "--max-stream-buffer-bytes" in str(err)
     assert results[1].ok
     assert hookserve  # typed errors come from the SDK
+
+
+# -- 1: the preprocessing memory formula of docs/limits.md -------------------------------
+_PEAK = """
+import io, resource, sys
+import numpy as np
+from PIL import Image
+from hookserve_server.preprocess.decode import decode
+from hookserve_server.preprocess.geometry import apply_geometry
+from hookserve_server.spec import ImageInput, Mode, Preprocess
+h, w, resize = map(int, sys.argv[1:4])
+buf = io.BytesIO()
+Image.fromarray(np.full((h, w, 3), 77, np.uint8)).save(buf, "PNG")
+pre = (Preprocess(Mode.RESIZE_CROP, resize=resize, crop_height=224, crop_width=224)
+       if resize else Preprocess(Mode.NATIVE))
+apply_geometry(np.zeros((8, 8, 3), np.uint8), pre, 256, (224, 224))  # warm torch
+before = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+decode_and_resize = apply_geometry(decode(ImageInput("x", encoded=buf.getvalue()), 10**9),
+                                   pre, 256, (224, 224))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+"""
+
+
+@pytest.mark.parametrize("h, w, resize", [(2000, 2000, 0), (4000, 3000, 256),
+                                          (1000, 3000, 1024)],
+                         ids=["native", "downscale", "upscale"])
+def test_preprocessing_peak_memory_is_within_the_documented_formula(h, w, resize):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(h), str(w), str(resize)],
+                         capture_output=True, text=True, check=True).stdout
+    peak = int(out.split()[-1])
+    p_dec = h * w
+    p_res = 0
+    if resize:
+        short, long = min(h, w), max(h, w)
+        p_res = resize * int(resize * long / short)
+    bound = 24 * p_dec + 22 * p_res
+    assert peak <= bound, f"peak {peak / MiB:.0f} MiB over 24*P_dec + 22*P_res = " \
+                          f"{bound / MiB:.0f} MiB"
