@@ -141,7 +141,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--max-response-bytes", default=1024 * MiB, type=int,
          help="largest estimated answer for one image (all layers, after reduction)")
     _add(g, "--max-input-side", default=8192, type=int,
-         help="largest model input height or width after preprocessing")
+         help="largest height or width of the model input and of the resized image "
+              "before a crop (e.g. a 1x1000 image resized to 256 would be 256x256000), "
+              "checked from the image header before decoding")
     _add(g, "--max-attribution-cost", default=1024, type=int,
          help="largest Attribute request in forward-equivalents per image: passes x "
               "(1 + 2 x targets), passes being 1, ig_steps + 1 (integrated gradients) or "
