@@ -268,7 +268,8 @@ def test_cancelled_stream_drops_its_queued_images_and_breaks_nothing(gated):
         assert_close(feats["layer3"], want["layer3"])
     assert sum(gate.sizes[forwards_before:]) == len(others)
     wait_for(lambda: srv.engine.queued == 0, "the queue to empty")
-    wait_for(lambda: srv.engine.hook_count() == 0, "hooks to be removed")
+    # Only the gate's own pre-hook is left.
+    wait_for(lambda: srv.engine.hook_count() == 1, "hooks to be removed")
     # And the server still serves.
     with srv.client(timeout=120) as c:
         assert c.extract(others[0], ["layer3"], native=True)["layer3"].shape[0] == 256
