@@ -58,6 +58,12 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
         with self._cond:
             return self._cond.wait_for(lambda: not +self._active, timeout)
 
+    @property
+    def open_streams(self) -> int:
+        """Extract and Attribute calls running now (tests and the drain watch this)."""
+        with self._cond:
+            return sum(self._active.values())
+
     def _refuse_if_draining(self) -> None:
         # Unary calls too: during a rolling restart the SDK then asks another replica.
         if self.engine.draining:
