@@ -62,6 +62,11 @@ class StreamCaps(grpc.ServerInterceptor):
         with self._cond:
             return self._open[method]
 
+    def wait_closed(self, method: str, timeout: float) -> bool:
+        """Until no call of `method` is open (its handler returned); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._open[method] == 0, timeout)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -124,6 +129,7 @@ class StreamCaps(grpc.ServerInterceptor):
         with self._cond:
             self._slots.discard(slot)
             self._open[slot.method] -= 1
+            self._cond.notify_all()
 
     # -- idle timeout --------------------------------------------------------------------
     def _start_reaper(self) -> None:
