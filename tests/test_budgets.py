@@ -26,6 +26,7 @@ from test_memory_return import rss
 
 import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
+from hookserve_server.preprocess.geometry import DECODE_BYTES_PER_PIXEL, RESIZE_BYTES_PER_PIXEL
 
 from conftest import encode, rand_image
 
@@ -220,6 +221,19 @@ def test_preprocessing_peak_memory_is_within_the_documented_formula(h, w, resize
     if resize:
         short, long = min(h, w), max(h, w)
         p_res = resize * int(resize * long / short)
-    bound = 24 * p_dec + 22 * p_res
-    assert peak <= bound, f"peak {peak / MiB:.0f} MiB over 24*P_dec + 22*P_res = " \
+    bound = DECODE_BYTES_PER_PIXEL * p_dec + RESIZE_BYTES_PER_PIXEL * p_res
+    assert (DECODE_BYTES_PER_PIXEL, RESIZE_BYTES_PER_PIXEL) == (24, 26)  # as documented
+    assert peak <= bound, f"peak {peak / MiB:.0f} MiB over 24*P_dec + 26*P_res = " \
                           f"{bound / MiB:.0f} MiB"
+
+
+def test_preprocessing_memory_budget_refuses_what_could_never_fit(make_server):
+    s = make_server(*R18, "--max-preprocess-bytes", str(50_000_000))
+    with s.client(timeout=60, retries=0) as c:
+        results = list(c.extract_many([np.zeros((1500, 1500, 3), np.uint8),  # 54 MB
+                                       np.zeros((1000, 1000, 3), np.uint8)],  # 24 MB
+                                      ["conv1"], reduction="avg", native=True))
+    err = results[0].error
+    assert err is not None and err.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+    assert "--max-preprocess-bytes" in str(err) and err.retry_after_s is None
+    assert results[1].ok

@@ -112,6 +112,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
     send_limit = ServerOptions.max_send_message_bytes
     positive = ("max_streams", "max_batch_size", "max_batch_bytes", "max_queue",
                 "max_inflight_per_stream", "max_stream_buffer_bytes", "max_buffer_bytes",
+                "max_preprocess_bytes",
                 "max_image_pixels",
                 "max_response_bytes", "max_input_side", "preprocess_workers",
                 "max_message_bytes", "chunk_bytes", "max_side_streams",
@@ -162,6 +163,7 @@ def build(args: argparse.Namespace):
         max_inflight_per_stream=args.max_inflight_per_stream,
         max_stream_buffer_bytes=args.max_stream_buffer_bytes,
         max_buffer_bytes=args.max_buffer_bytes,
+        max_preprocess_bytes=args.max_preprocess_bytes,
         max_image_pixels=args.max_image_pixels, max_response_bytes=args.max_response_bytes,
         max_input_side=args.max_input_side, preprocess_workers=args.preprocess_workers,
         gpu_decode=args.gpu_decode, max_attribution_cost=args.max_attribution_cost)

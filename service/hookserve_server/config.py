@@ -136,6 +136,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--max-buffer-bytes", default=default_buffer_bytes(), type=int,
          help="the same across all streams: answer bytes reserved and not yet sent. "
               "Default: a quarter of the machine's (or the container's) memory")
+    _add(g, "--max-preprocess-bytes", default=default_buffer_bytes(), type=int,
+         help="estimated peak memory of the images being decoded and resized at once "
+              "(24 bytes a decoded pixel + 26 a resized one, from the header); images "
+              "wait for room, one that could never fit gets RESOURCE_EXHAUSTED. "
+              "Default: a quarter of the machine's (or the container's) memory")
     _add(g, "--max-image-pixels", default=50_000_000, type=int,
          help="largest image (width x height), checked before decoding")
     _add(g, "--max-response-bytes", default=1024 * MiB, type=int,

@@ -37,6 +37,18 @@ class Budget:
         #: readers waiting for room right now (tests and metrics read it)
         self.waiting = 0
 
+    def check(self, n: int, what: str = "the answer for this image",
+              fix: str = "request fewer layers, a reduction (avg/max), float16, or a "
+                         "smaller input size") -> None:
+        """RESOURCE_EXHAUSTED (no retry hint) if `n` bytes could never fit."""
+        b: Budget | None = self
+        while b is not None:
+            if n > b.capacity:
+                raise ResourceExhausted(
+                    f"{what} is {size_text(n)}, over this server's {b.flag} of "
+                    f"{size_text(b.capacity)}: {fix}")
+            b = b._parent
+
     def child(self, capacity: int, flag: str) -> Budget:
         """A stream's budget: also counted against this (the global) one."""
         return Budget(capacity, flag, parent=self)
@@ -55,14 +67,7 @@ class Budget:
         An empty budget always takes one answer that is not over its capacity, so a
         stream never waits for itself.
         """
-        b: Budget | None = self
-        while b is not None:
-            if n > b.capacity:
-                raise ResourceExhausted(
-                    f"the answer for this image is {size_text(n)}, over this server's "
-                    f"{b.flag} of {size_text(b.capacity)}: request fewer layers, a "
-                    "reduction (avg/max), float16, or a smaller input size")
-            b = b._parent
+        self.check(n)
         with self._cond:
             root = self._root()
             if not self._fits(n):
@@ -121,3 +126,9 @@ class Reservation:
             budget, self._budget = self._budget, None
         if budget is not None:
             budget._release(self.nbytes)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -32,6 +32,7 @@ from ..preprocess.geometry import Geometry, apply_geometry, geometry_on_tensor, 
 from ..preprocess.gpu_decode import decode_jpeg_on_device, probe_jpeg_bytes
 from ..spec import ImageInput
 from ..telemetry import Telemetry
+from .budget import Budget
 from .limits import Limits
 from .queue import BatchQueue
 from .types import CallState, EngineConfig, ResolvedSpec, WorkItem
@@ -57,6 +58,8 @@ class Preparer:
         self.telemetry = telemetry
         self._pool = ThreadPoolExecutor(config.preprocess_workers,
                                         thread_name_prefix="hookserve-pre")
+        #: estimated peak bytes of the images being decoded and resized right now
+        self._memory = Budget(config.max_preprocess_bytes, "--max-preprocess-bytes")
         #: Set by probe_gpu_decode() when the GPU decoder fails on a known-good JPEG.
         self._gpu_decode_off = False
 
@@ -86,6 +89,8 @@ class Preparer:
         h, w = read_header(image, self.config.max_image_pixels)
         g = plan_geometry(spec.preprocess, m.defaults.resize, m.defaults.crop, h, w)
         self.limits.geometry(g)
+        self._memory.check(g.peak_bytes, what="decoding and resizing this image would take "
+                           "about", fix="send a smaller image, or ask for a smaller resize")
         if spec.fixed_size is not None:
             return ImagePlan(g, spec.answer_bytes, spec.activation_bytes)
         answer, activation = spec.sizes(self.limits, *g.input)
@@ -122,6 +127,14 @@ class Preparer:
             raise Cancelled("the call was cancelled")
         if call.expired():
             raise DeadlineExceeded("the call's deadline passed before the image was decoded")
+        held = self._memory.reserve(plan.geometry.peak_bytes, lambda: call.cancelled)
+        if held is None:
+            raise Cancelled("the call was cancelled")
+        with held:
+            return self._decode_and_resize(spec, image, plan, call, fut)
+
+    def _decode_and_resize(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan,
+                           call: CallState, fut: Future) -> WorkItem:
         m = spec.model
         d = m.defaults
         on_device = self._decode_on_device(m, image)

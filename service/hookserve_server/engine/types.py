@@ -38,6 +38,8 @@ class EngineConfig:
     max_stream_buffer_bytes: int = 256 << 20
     #: The same across all streams (--max-buffer-bytes).
     max_buffer_bytes: int = 2 << 30
+    #: Estimated peak memory of the images being decoded and resized at once.
+    max_preprocess_bytes: int = 4 << 30
     max_image_pixels: int = 50_000_000
     #: Estimated response bytes for one image (all its layers, after reduction).
     max_response_bytes: int = 1 << 30

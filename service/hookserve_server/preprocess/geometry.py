@@ -62,6 +62,11 @@ def fixed_input_size(pre: Preprocess, default_crop: tuple[int, int]) -> tuple[in
     return None
 
 
+#: Peak preprocessing bytes per decoded pixel, and per pixel of the resized image.
+DECODE_BYTES_PER_PIXEL = 24
+RESIZE_BYTES_PER_PIXEL = 26
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Every size one image goes through, known from its header before decoding."""
@@ -72,6 +77,15 @@ class Geometry:
     resized: tuple[int, int] | None
     #: the model input (after the crop, if any)
     input: tuple[int, int]
+
+    @property
+    def peak_bytes(self) -> int:
+        """A bound on the memory decoding and resizing this image takes at its peak
+        (measured, docs/limits.md): PIL's buffer and the RGB array, then the
+        antialiased resize working in float32."""
+        dh, dw = self.decoded
+        rh, rw = self.resized or (0, 0)
+        return DECODE_BYTES_PER_PIXEL * dh * dw + RESIZE_BYTES_PER_PIXEL * rh * rw
 
 
 def plan_geometry(pre: Preprocess, default_resize: int, default_crop: tuple[int, int],
