@@ -237,3 +237,30 @@ def test_preprocessing_memory_budget_refuses_what_could_never_fit(make_server):
     assert err is not None and err.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err
     assert "--max-preprocess-bytes" in str(err) and err.retry_after_s is None
     assert results[1].ok
+
+
+def test_health_answers_within_a_second_while_flooded_with_resize_bombs(server):
+    """Four streams of 83-byte PNGs that would each be 256x256000: refused from the
+    header, so the server stays responsive."""
+    bomb = png(1000, 1)
+    done = threading.Event()
+    counts: list[int] = []
+
+    def flood():
+        with server.client(timeout=120, retries=0) as c:
+            n = sum(1 for r in c.extract_many([bomb] * 200, ["conv1"]) if not r.ok)
+        counts.append(n)
+
+    threads = [threading.Thread(target=flood) for _ in range(4)]
+    for t in threads:
+        t.start()
+    with grpc.insecure_channel(server.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while not done.is_set() and any(t.is_alive() for t in threads):
+            t0 = time.monotonic()
+            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+            assert time.monotonic() - t0 < 1.0
+            done.wait(0.05)
+    for t in threads:
+        t.join(120)
+    assert counts == [200] * 4
