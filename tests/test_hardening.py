@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import shutil
 import socket
@@ -83,8 +84,13 @@ def test_make_targets_build_the_venv_first_on_a_fresh_clone(tmp_path, target):
     assert f"make {target}" in (ROOT / "README.md").read_text()
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
-    out = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True,
-                         text=True, check=True).stdout.splitlines()
+    # Under `make test` the parent's MAKELEVEL/MAKEFLAGS would make this child print
+    # "Entering directory" lines: run it as a first, top-level make would be.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=tmp_path,
+                         capture_output=True, text=True, check=True,
+                         env=env).stdout.splitlines()
     assert out[0].startswith("test -x .venv/bin/python ||"), out[:3]
 
 
