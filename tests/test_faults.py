@@ -316,6 +316,10 @@ def test_max_streams_limits_concurrent_calls(make_server):
             with pytest.raises(hookserve.errors.ResourceExhausted) as e:
                 c.extract(rand_image(32, 32), "layer4", reduction="avg")
             assert "--max-streams" in e.value.message and e.value.retry_after_s == 1.0
+            # Attribute streams share the cap (and, like Extract, have no idle timeout).
+            with pytest.raises(hookserve.errors.ResourceExhausted) as e:
+                c.attribute(rand_image(32, 32), layer="layer4", method="grad_cam")
+            assert "--max-streams" in e.value.message
             # Saturated with streams, it still answers probes and unary calls.
             assert c.health() == "SERVING"
             assert c.list_models()[0].name == "resnet18"

@@ -208,9 +208,9 @@ def test_idle_side_streams_are_cancelled(make_server):
 
 
 def test_every_streaming_method_is_capped(server):
-    """A streaming method added later is counted too: Extract by --max-streams, each
-    other one by --max-side-streams, and the thread pool keeps threads for all of them
-    plus spare ones for unary calls."""
+    """A streaming method added later is counted too: the work streams (Extract and
+    Attribute) by --max-streams, each other one by --max-side-streams, and the thread
+    pool keeps threads for all of them plus spare ones for unary calls."""
     from grpc_health.v1 import health_pb2 as h
     from grpc_reflection.v1alpha import reflection_pb2 as r
 
@@ -221,7 +221,8 @@ def test_every_streaming_method_is_capped(server):
                  for svc in fd.services_by_name.values() for m in svc.methods
                  if m.client_streaming or m.server_streaming}
     assert {WATCH, REFLECTION} <= set(SIDE_STREAMS)
-    assert streaming == set(SIDE_STREAMS) | {"/hookserve.v1.FeatureExtractor/Extract"}
+    assert streaming == set(SIDE_STREAMS) | {"/hookserve.v1.FeatureExtractor/Extract",
+                                             "/hookserve.v1.FeatureExtractor/Attribute"}
     opts = server.server.opts
     assert server.server._pool._max_workers == (
         opts.max_streams + opts.max_side_streams * len(SIDE_STREAMS) + UNARY_HEADROOM)

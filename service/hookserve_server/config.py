@@ -97,15 +97,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--host", default="[::]", help="address to bind")
     _add(g, "--port", default=50051, type=int, help="port; 0 picks a free one and logs it")
     _add(g, "--max-streams", default=128, type=int,
-         help="concurrent Extract streams; more get RESOURCE_EXHAUSTED with a retry hint "
-              "(health checks and unary calls have threads of their own)")
+         help="concurrent work streams (Extract and Attribute together); more get "
+              "RESOURCE_EXHAUSTED with a retry hint (health checks and unary calls have "
+              "threads of their own)")
     _add(g, "--max-side-streams", default=16, type=int,
-         help="concurrent calls of each streaming method other than Extract (Attribute, "
-              "health Watch, reflection); more get RESOURCE_EXHAUSTED. Threads are kept "
+         help="concurrent calls of each streaming method other than Extract and Attribute "
+              "(health Watch, reflection); more get RESOURCE_EXHAUSTED. Threads are kept "
               "for them and for unary calls, so open streams never block health checks")
     _add(g, "--stream-idle-seconds", default=300.0, type=float,
-         help="cancel an Attribute, health Watch or reflection stream after this long "
-              "with no message either way; 0 never")
+         help="cancel a health Watch or reflection stream after this long with no message "
+              "either way (Extract and Attribute are never cut for silence); 0 never")
     _add(g, "--max-message-bytes", default=64 * MiB, type=int,
          help="largest request message (one encoded image plus framing)")
     _add(g, "--chunk-bytes", default=2 * MiB, type=int,

@@ -2,9 +2,8 @@
 
 Protobuf in (wire.py) -> domain objects -> Engine -> domain results -> protobuf out
 (wire.py). Errors are raised as domain errors and mapped to statuses by status.py.
-It counts open Extract streams (--max-streams) and Attribute streams (capped per
-method by stream_caps.py, --max-side-streams), so a drain waits for both; the drain
-state is the engine's.
+It counts the open work streams, Extract and Attribute, against one cap
+(--max-streams), so a drain waits for both; the drain state is the engine's.
 """
 
 from __future__ import annotations
@@ -71,13 +70,15 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
 
     @contextlib.contextmanager
     def _stream_slot(self, method: str = "Extract"):
-        """An open stream, counted for the length of the call; Extract streams are
-        capped at --max-streams here (Attribute's cap is in stream_caps.py)."""
+        """An open work stream (Extract or Attribute), counted for the length of the
+        call; together they are capped at --max-streams. They are exempt from
+        stream_caps.py's idle timeout: a stream may be silent while its batch runs."""
         with self._cond:
             self._refuse_if_draining()
-            if method == "Extract" and self._active[method] >= self.max_streams:
+            total = sum(self._active.values())
+            if total >= self.max_streams:
                 raise ResourceExhausted(
-                    f"{self._active[method]} Extract streams are open, this server's limit "
+                    f"{total} Extract/Attribute streams are open, this server's limit "
                     "(--max-streams): retry shortly or use another replica",
                     retry_after_s=1.0)
             self._active[method] += 1

@@ -1,8 +1,10 @@
-"""Caps on the open streaming calls other than Extract: health Watch and reflection.
+"""Caps on the open streaming calls other than the work streams: health Watch, reflection.
 
-The synchronous gRPC server holds one pool thread per open call. Extract streams are
-counted by the servicer (`--max-streams`); every other streaming method (health Watch,
-reflection, hookserve's Attribute) is counted here, per method: calls beyond
+The synchronous gRPC server holds one pool thread per open call. The work streams
+(Extract and Attribute) are counted by the servicer (`--max-streams`, shared by both);
+they may be silent for as long as a big batch computes, so no idle timeout applies to
+them. Every other streaming method (health Watch, reflection) is counted here, per
+method: calls beyond
 `--max-side-streams` of one method get RESOURCE_EXHAUSTED, and a call with no message
 either way for `--stream-idle-seconds` is cancelled. The server sizes its thread pool
 from these caps plus spare threads, so no number of open streams can stop health
@@ -21,15 +23,18 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from hookserve.v1 import hookserve_pb2 as pb
 
-#: The stream the servicer counts itself (--max-streams).
+#: The work streams: the servicer counts them itself (--max-streams, shared).
 EXTRACT = "/hookserve.v1.FeatureExtractor/Extract"
+ATTRIBUTE = "/hookserve.v1.FeatureExtractor/Attribute"
+WORK_STREAMS = (EXTRACT, ATTRIBUTE)
 #: Every other streaming method this server registers (health Watch, reflection, and
 #: any added to the proto later). The thread pool keeps `--max-side-streams` for each.
 SIDE_STREAMS = tuple(sorted(
     f"/{svc.full_name}/{m.name}"
     for fd in (pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)
     for svc in fd.services_by_name.values() for m in svc.methods
-    if (m.client_streaming or m.server_streaming) and f"/{svc.full_name}/{m.name}" != EXTRACT))
+    if (m.client_streaming or m.server_streaming)
+    and f"/{svc.full_name}/{m.name}" not in WORK_STREAMS))
 
 
 class _Slot:
@@ -47,7 +52,7 @@ class _Slot:
 class StreamCaps(grpc.ServerInterceptor):
     """Counts open calls of each side-stream method; refuses extras, cancels idle ones."""
 
-    def __init__(self, per_method: int, idle_s: float, exempt: tuple[str, ...] = (EXTRACT,)
+    def __init__(self, per_method: int, idle_s: float, exempt: tuple[str, ...] = WORK_STREAMS
                  ) -> None:
         self.per_method = per_method
         self.idle_s = idle_s
