@@ -130,7 +130,7 @@ class HeldStream:
 # -- cancel, disconnect, deadline ------------------------------------------------------
 
 
-def test_cancel_mid_stream_drops_queued_work_and_others_dont_notice(make_server):
+def test_cancel_mid_stream_drops_queued_work_and_others_dont_notice(make_server, caplog):
     s = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
     imgs = [rand_image(64, 64, i) for i in range(60)]
     with s.client(timeout=120) as c:
@@ -159,6 +159,24 @@ def test_cancel_mid_stream_drops_queued_work_and_others_dont_notice(make_server)
     assert s.engine.hook_count() == 0
     # Nothing of the cancelled session stays referenced (its futures, its tensors).
     wait_until(lambda: not sessions(s), 10, "the cancelled session to be freed")
+    # A client going away is not a server fault, whichever the server notices first.
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+def test_a_broken_request_stream_is_a_cancel_not_a_fault():
+    """grpc's request iterator raises RpcError when the client goes away, at times
+    before the call's cancel callback runs: the servicer reports it as CANCELLED."""
+    from hookserve_server.errors import Cancelled
+    from hookserve_server.servicer import _client_gone_is_cancelled
+
+    def broken():
+        yield "first"
+        raise grpc.RpcError()
+
+    it = _client_gone_is_cancelled(broken())
+    assert next(it) == "first"
+    with pytest.raises(Cancelled):
+        next(it)
 
 
 CLIENT_SCRIPT = textwrap.dedent("""

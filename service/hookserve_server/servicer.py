@@ -17,12 +17,14 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import grpc
+
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from . import wire
 from .attribution_spec import AttributionSpec
-from .errors import ResourceExhausted, Unavailable
+from .errors import Cancelled, ResourceExhausted, Unavailable
 from .spec import ExtractionSpec, ImageResult
 from .status import mapped
 from .telemetry import Telemetry
@@ -116,8 +118,9 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
 
     def _noted(self, requests, stats: dict):
         """Pass requests through, noting the latest spec's model and layers for logs and
-        metrics (names are cut short: they come from the client)."""
-        for req in requests:
+        metrics (names are cut short: they come from the client). A request stream that
+        breaks because the client went away is the domain's Cancelled, not a fault."""
+        for req in _client_gone_is_cancelled(requests):
             if isinstance(req, ExtractionSpec):
                 stats["model"] = self._model_label(req.model)
                 stats["layers"] = [layer.name[:100] for layer in req.layers[:32]]
@@ -187,3 +190,12 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             self.telemetry.serialize_seconds(time.perf_counter() - t0)
             self.telemetry.bytes_sent(model, nbytes)
             self.telemetry.image_done(model, "OK")
+
+
+def _client_gone_is_cancelled(requests):
+    """grpc's request iterator raises RpcError once the client cancels or disconnects,
+    sometimes before the call's cancel callback has run: say what it is."""
+    try:
+        yield from requests
+    except grpc.RpcError:
+        raise Cancelled("the client cancelled the call or went away") from None

@@ -13,7 +13,13 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from ..attribution_spec import AttributionSpec
-from ..errors import HookserveError, InternalError, InvalidArgument, Unavailable
+from ..errors import (
+    Cancelled,
+    HookserveError,
+    InternalError,
+    InvalidArgument,
+    Unavailable,
+)
 from ..spec import ExtractionSpec, ImageInput, ImageResult
 from .budget import Reservation
 from .limits import MAX_ID_CHARS
@@ -205,6 +211,8 @@ class Session:
                 out.put((index, req.id if len(req.id) <= MAX_ID_CHARS else "", fut,
                          reservation))
                 index += 1
+        except Cancelled:  # the request stream broke: the client went away
+            self.cancel()
         except HookserveError as exc:
             out.put(exc)
         except Exception:
