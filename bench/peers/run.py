@@ -17,6 +17,8 @@ so drift in the machine's load hits every column.
   tput-1    the same, img/s with 1 client
   tput-8    8 concurrent clients, one image per call: img/s (floor: in-process batch 8)
   bigmap    vgg16 features.0 float32 (12.8 MB/image), --big-clients clients: MB/s
+  cpu       CPU ms per image during tput-8: each server's process tree (workers it
+            forked included) and the bench process (the clients)
 
 Prints a table with ratios and writes bench/results/peers-<UTC time>.json and
 bench/results/peers-latest.json.
@@ -25,6 +27,7 @@ bench/results/peers-latest.json.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -148,6 +151,24 @@ def throughput(target, data: list[bytes], clients: int) -> float:
             close()
 
 
+def cpu_seconds(proc: Proc | None) -> float:
+    """CPU time (user + system) of every process in `proc`'s session: the server and
+    any workers it forked (Proc starts each server in a session of its own); with no
+    proc, this process (the bench's client threads)."""
+    if proc is None:
+        t = os.times()
+        return t.user + t.system
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[3]) == proc.p.pid:  # session id (field 6 of stat)
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def floor_batched(hooked: Hooked, data: list[bytes], batch: int) -> float:
     """The in-process floor for many clients: decode `batch` images, one forward."""
     t0 = time.perf_counter()
@@ -181,16 +202,27 @@ def main() -> int:
         R["latency"] = {k: {"p50_ms": pct(v, 50) * 1e3, "p99_ms": pct(v, 99) * 1e3,
                             "mean_ms": sum(v) / len(v) * 1e3} for k, v in lat.items()}
         acc: dict[str, dict[str, list[float]]] = {"tput1": {}, "tput8": {}}
+        cpu_ms: dict[str, dict[str, float]] = {}  # CPU ms per image at 8 clients
         for r in range(a.rounds):
             part = img[:a.tput_images]
             for t in pooled:
                 acc["tput1"].setdefault(t.name, []).append(throughput(t, part, 1))
+                server = procs.get(t.name)
+                c0, s0 = cpu_seconds(None), cpu_seconds(server)
                 acc["tput8"].setdefault(t.name, []).append(
                     floor_batched(floors["pooled"], part, a.batch)
                     if isinstance(t, callers.FloorCaller) else throughput(t, part, 8))
+                c1, s1 = cpu_seconds(None), cpu_seconds(server)
+                cpu = cpu_ms.setdefault(t.name, {"server": 0.0, "client": 0.0, "n": 0})
+                cpu["server"] += (s1 - s0) * 1e3 if server else 0.0
+                cpu["client"] += (c1 - c0) * 1e3
+                cpu["n"] += len(part)
             say(f"  round {r + 1}: " + report.brief(acc))
         for k, v in acc.items():
             R[k] = {name: len(xs) / sum(1 / x for x in xs) for name, xs in v.items()}
+        R["cpu_ms_per_image_tput8"] = {
+            name: {"server": c["server"] / c["n"], "client": c["client"] / c["n"]}
+            for name, c in cpu_ms.items()}
         say(f"big map: vgg16 features.0, {a.big_images} images, {a.big_clients} clients")
         mb = floors["big"].extract(img[:1]).nbytes / 1e6
         R["bigmap"] = {"image_mb": mb, "mb_s": {
@@ -203,6 +235,11 @@ def main() -> int:
     res["seconds"] = time.perf_counter() - say.t0
     print()
     print(report.table(R, a))
+    print("\nCPU ms per image at 8 clients (server process tree; bench process, i.e. the "
+          "clients, or the whole in-process floor):")
+    for name, c in R["cpu_ms_per_image_tput8"].items():
+        print(f"  {name:<12} server {c['server']:7.1f}   client {c['client']:7.1f}   "
+              f"total {c['server'] + c['client']:7.1f}")
     out = write_results(res, a.out, "-peers", latest="peers-latest.json")
     print(f"\nwrote {out} ({res['seconds']:.0f} s, load {res['machine']['loadavg_start']} "
           f"-> {res['machine']['loadavg_end']})")
