@@ -39,6 +39,7 @@ from .scheduler import RETRY_STREAM, backoff, retryable
 from .shards import Shard, entries
 from .sinks import format_of
 from .sinks.base import OutputError, check_meta
+from .sinks.parquet import write_table
 
 META = "_hookserve.json"
 
@@ -120,17 +121,9 @@ class ShardOutput:
         return ShardResult(shard.key, len(rows), len(fails), False, part)
 
     def _parquet(self, rows: list, path: str) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        cols = {"id": pa.array([r[0] for r in rows], pa.string()),
-                "sha256": pa.array([r[1] for r in rows], pa.string())}
-        for layer in rows[0][2]:
-            flat = np.concatenate([np.asarray(r[2][layer]).reshape(-1) for r in rows])
-            width = int(np.asarray(rows[0][2][layer]).size)
-            cols[layer] = pa.FixedSizeListArray.from_arrays(pa.array(flat), width)
-        table = pa.table(cols).replace_schema_metadata({"hookserve": json.dumps(self.meta)})
-        pq.write_table(table, path)
+        write_table(path, {"id": ("string", [r[0] for r in rows]),
+                           "sha256": ("string", [r[1] for r in rows])},
+                    [r[2] for r in rows], self.meta)
 
     def _npy(self, rows: list, folder: str) -> None:
         os.makedirs(folder)

@@ -13,7 +13,6 @@ Data flow for one image::
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 import threading
@@ -196,12 +195,12 @@ class Engine:
         validate_preprocess(spec.preprocessing)
         self.limits.preprocess(spec.preprocessing)
         fixed = fixed_input_size(spec.preprocessing, m.defaults.crop)
-        resolved = ResolvedSpec(m, tuple(spec.layers), spec.preprocessing, fixed)
+        layers = tuple(spec.layers)
+        answer = activation = 0  # the size follows the image: checked per image
         if fixed is not None:  # fails fast, before any image is computed
-            answer, activation = self.limits.answer(m, resolved.layers, *fixed)
-            resolved = dataclasses.replace(resolved, answer_bytes=answer,
-                                           activation_bytes=activation)
-        return resolved
+            answer, activation = self.limits.answer(m, layers, *fixed)
+        return ResolvedSpec(m, layers, spec.preprocessing, fixed,
+                            answer_bytes=answer, activation_bytes=activation)
 
     def _check_layer(self, m: ServedModel, name: str) -> None:
         self.limits.layer_name(name)

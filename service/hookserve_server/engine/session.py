@@ -3,7 +3,6 @@ send order."""
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import logging
 import queue
@@ -63,8 +62,8 @@ class Session:
         self._reader_done = False
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         # 64-bit digests of the last ID_HISTORY non-empty ids, oldest first.
-        self._ids: set[int] = set()
-        self._id_order: collections.deque[int] = collections.deque()
+        #: hashes of the ids seen, oldest first (a dict keeps insertion order)
+        self._ids: dict[int, None] = {}
 
     @property
     def cancelled(self) -> bool:
@@ -123,10 +122,9 @@ class Session:
             raise InvalidArgument(
                 f"duplicate image id {image_id!r} in this stream: ids must be unique "
                 "per stream (or empty)")
-        self._ids.add(h)
-        self._id_order.append(h)
-        if len(self._id_order) > ID_HISTORY:  # bounded memory on endless streams
-            self._ids.discard(self._id_order.popleft())
+        self._ids[h] = None
+        if len(self._ids) > ID_HISTORY:  # bounded memory on endless streams
+            del self._ids[next(iter(self._ids))]
 
     # -- the call ------------------------------------------------------------------------
     def run(self, requests: Iterable[ExtractionSpec | ImageInput]) -> Iterator[ImageResult]:

@@ -24,24 +24,15 @@ class ParquetSink(PartSink):
         if os.path.isfile(out):
             raise OutputError(f"{out} is a file; a .parquet output is a folder of parts")
         super().__init__(out, meta, out, **kw)
-        self.pa = need("pyarrow", "Parquet")
+        need("pyarrow", "Parquet")  # fail at start, not at the first checkpoint
         self.pq = need("pyarrow.parquet", "Parquet")
 
     def _write_part(self, tmp: str, recs: list[Record]) -> None:
-        pa = self.pa
-        cols = {
-            "path": pa.array([r.path for r in recs], pa.string()),
-            "sha256": pa.array([r.sha256 for r in recs], pa.string()),
-            "size": pa.array([r.size for r in recs], pa.int64()),
-            "mtime_ns": pa.array([r.mtime_ns for r in recs], pa.int64()),
-        }
-        for layer in recs[0].features:
-            flat = np.concatenate([r.features[layer].reshape(-1) for r in recs])
-            width = recs[0].features[layer].shape[0]
-            cols[layer] = pa.FixedSizeListArray.from_arrays(pa.array(flat), width)
-        table = pa.table(cols).replace_schema_metadata(
-            {"hookserve": json.dumps(self.meta)})
-        self.pq.write_table(table, tmp)
+        write_table(tmp, {"path": ("string", [r.path for r in recs]),
+                          "sha256": ("string", [r.sha256 for r in recs]),
+                          "size": ("int64", [r.size for r in recs]),
+                          "mtime_ns": ("int64", [r.mtime_ns for r in recs])},
+                    [r.features for r in recs], self.meta)
 
     def _read_part(self, path: str):
         pf = self.pq.ParquetFile(path)
@@ -65,3 +56,21 @@ def peek_done(out: str) -> dict:
     import pyarrow.parquet as pq
 
     return dict.fromkeys(pq.read_table(out, columns=["path"]).column("path").to_pylist())
+
+
+def write_table(path: str, keys: dict[str, tuple[str, list]], features: list[dict],
+                meta: dict) -> None:
+    """Write one Parquet part: the key columns (name -> (arrow type name, values)),
+    then one fixed-size list column per layer (1-D features), and the run's metadata
+    under the schema key ``hookserve``. The one layout of every hookserve Parquet part,
+    plain runs and sharded runs alike."""
+    pa = need("pyarrow", "Parquet")
+    pq = need("pyarrow.parquet", "Parquet")
+    cols = {name: pa.array(values, getattr(pa, kind)()) for name, (kind, values)
+            in keys.items()}
+    for layer in features[0]:
+        flat = np.concatenate([np.asarray(f[layer]).reshape(-1) for f in features])
+        width = int(np.asarray(features[0][layer]).size)
+        cols[layer] = pa.FixedSizeListArray.from_arrays(pa.array(flat), width)
+    pq.write_table(pa.table(cols).replace_schema_metadata(
+        {"hookserve": json.dumps(meta)}), path)
