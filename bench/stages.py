@@ -6,8 +6,9 @@ the server's own stage metrics add up to what the client sees.
     .venv/bin/python bench/stages.py --model resnet18 --layer conv1 --side 32 --native
                                       # (almost no compute: the service's own overhead)
 
-One client sends one 224 px JPEG at a time (`Client.extract`, default preprocessing,
-layer4 avg) to hookserve started under bench/trace_server.py (probes on the server's
+One client sends one 224 px JPEG at a time (`Client.extract`, i.e. the ExtractImage
+RPC; `--rpc stream`: a one-image Extract stream; default preprocessing, layer4 avg)
+to hookserve started under bench/trace_server.py (probes on the server's
 own functions, one JSON line per call), alternating with the same work in process
 (decode + hooked forward, bench/peers/hooked.py) so both see the same machine.
 Prints the median of each stage, the server's Prometheus stage histograms (sum/count
@@ -46,17 +47,17 @@ from hooked import Hooked  # noqa: E402  (bench/peers: the same work, in process
 STAGES = [
     ("client SDK + gRPC in (to the handler)", "client_send", "call_start"),
     ("handler: spec and image parsed", "call_start", "request_parsed"),
-    ("reader thread: admit, submit", "request_parsed", "submit"),
+    ("plan, reserve, admit, submit", "request_parsed", "submit"),
     ("hop to the preprocess pool", "submit", "prepare_start"),
     ("decode + resize + crop", "prepare_start", "prepare_end"),
     ("queue: to the device thread", "prepare_end", "batch_taken"),
     ("device thread: batch checks", "batch_taken", "forward_start"),
     ("forward (stack, normalise, hooks, reduce)", "forward_start", "forward_end"),
-    ("hop to the completer", "forward_end", "completer"),
-    ("completer -> handler thread", "completer", "result_seen"),
+    ("hand out the answer", "forward_end", "completer"),
+    ("back to the handler thread", "completer", "result_seen"),
     ("encode tensor message", "result_seen", "encoded"),
-    ("status message", "encoded", "status_built"),
-    ("gRPC out + SDK decode (to the client)", "status_built", "client_done"),
+    ("messages to gRPC (stream: + status)", "encoded", "answer_out"),
+    ("gRPC out + SDK decode (to the client)", "answer_out", "client_done"),
 ]
 METRICS = ["hookserve_preprocess_seconds", "hookserve_queue_wait_seconds",
            "hookserve_forward_seconds", "hookserve_serialize_seconds"]
@@ -102,6 +103,8 @@ def main() -> int:
     ap.add_argument("--native", action="store_true",
                     help="no resize/crop (the in-process side still resizes and crops)")
     ap.add_argument("--images", type=int, default=40)
+    ap.add_argument("--rpc", choices=["image", "stream"], default="image",
+                    help="ExtractImage (Client.extract) or a one-image Extract stream")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--delay-ms", type=float, default=5.0)
@@ -127,8 +130,14 @@ def main() -> int:
         layers = {a.layer: {"reduction": "avg"}}
         opts = {"native": True} if a.native else {}
         with hookserve.Client(srv.address, timeout=600) as c:
+            def extract(b: bytes) -> None:
+                if a.rpc == "image":
+                    c.extract(b, layers, model=a.model, **opts)
+                else:
+                    list(c.extract_many([b], layers, model=a.model, **opts))
+
             for b in data[:3]:  # warm-up
-                c.extract(b, layers, model=a.model, **opts)
+                extract(b)
                 floor.extract([b])
             before = scrape(mport)
             say(f"{a.images} images, one at a time, alternating with in-process")
@@ -137,7 +146,7 @@ def main() -> int:
                 floor.extract([b])
                 local.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                c.extract(b, layers, model=a.model, **opts)
+                extract(b)
                 client.append((t0, time.perf_counter()))
             after = scrape(mport)
     finally:

@@ -3,7 +3,7 @@
     python bench/trace_server.py TRACE.jsonl serve --port 0 ...   # any serve flags
 
 Wraps a few of the server's own functions (no change to the server) and appends one
-JSON line per Extract call to TRACE.jsonl: [[probe, time.perf_counter()], ...]. On
+JSON line per Extract or ExtractImage call to TRACE.jsonl: [[probe, time.perf_counter()], ...]. On
 Linux perf_counter is CLOCK_MONOTONIC, the same clock in every process, so the
 client's timestamps line up with these. Probes that no longer exist (the server was
 refactored) are skipped and listed on stderr.
@@ -61,27 +61,36 @@ def _wrap(module: str, attr: str, before: str | None, after: str | None) -> bool
     return True
 
 
-def _wrap_extract() -> None:
+def _wrap_calls() -> None:
+    """Extract and ExtractImage: mark the call's start, its last message handed to gRPC
+    ("answer_out") and its end; write the call's marks as one line."""
     from hookserve_server.servicer import Servicer
 
-    fn = Servicer.Extract
+    def traced(fn):
+        @functools.wraps(fn)
+        def call(self, request, context):
+            global _current
+            with _lock:
+                _current = mine = [("call_start", time.perf_counter())]
+            last = None
+            try:
+                for msg in fn(self, request, context):
+                    yield msg
+                    last = time.perf_counter()
+            finally:
+                if last is not None:
+                    mine.append(("answer_out", last))
+                mine.append(("call_end", time.perf_counter()))
+                OUT.write(json.dumps(mine) + "\n")
+        return call
 
-    @functools.wraps(fn)
-    def extract(self, request_iterator, context):
-        global _current
-        with _lock:
-            _current = mine = [("call_start", time.perf_counter())]
-        try:
-            yield from fn(self, request_iterator, context)
-        finally:
-            mine.append(("call_end", time.perf_counter()))
-            OUT.write(json.dumps(mine) + "\n")
-
-    Servicer.Extract = extract
+    Servicer.Extract = traced(Servicer.Extract)
+    Servicer.ExtractImage = traced(Servicer.ExtractImage)
 
 
 PROBES = [  # (module, attribute, mark on entry, mark on each return/yield)
     ("hookserve_server.wire", "requests", None, "request_parsed"),
+    ("hookserve_server.wire", "image_request", None, "request_parsed"),
     ("hookserve_server.engine.session", "Session._read", "reader_start", None),
     ("hookserve_server.engine.prepare", "Preparer.submit", "submit", None),
     ("hookserve_server.engine.prepare", "Preparer._prepare", "prepare_start", "prepare_end"),
@@ -89,15 +98,15 @@ PROBES = [  # (module, attribute, mark on entry, mark on each return/yield)
     ("hookserve_server.engine.worker", "DeviceWorker._forward", "forward_start",
      "forward_end"),
     ("hookserve_server.engine.worker", "layer_output", "completer", None),
-    ("hookserve_server.engine.session", "Session._observe", "result_seen", None),
+    ("hookserve_server.engine.session", "Session.run", None, "result_seen"),
+    ("hookserve_server.engine.session", "Session.run_one", None, "result_seen"),
     ("hookserve_server.wire", "tensor_messages", "encode_start", "encoded"),
-    ("hookserve_server.wire", "status_message", None, "status_built"),
 ]
 
 if __name__ == "__main__":
     for probe in PROBES:
         _wrap(*probe)
-    _wrap_extract()
+    _wrap_calls()
     from hookserve.cli import main
 
     sys.exit(main(sys.argv[2:]))

@@ -75,8 +75,11 @@ def test_metrics_count_what_the_client_saw(metrics_server):
     after = scrape(port)
 
     # requests and images by model and status code
+    # extract_many is an Extract stream; extract() of one image is ExtractImage
     assert delta(after, before, "hookserve_requests_total",
-                 method="Extract", model="resnet18", code="OK") == 2
+                 method="Extract", model="resnet18", code="OK") == 1
+    assert delta(after, before, "hookserve_requests_total",
+                 method="ExtractImage", model="resnet18", code="OK") == 1
     assert delta(after, before, "hookserve_images_total", model="resnet18", code="OK") == 6
     assert delta(after, before, "hookserve_images_total",
                  model="resnet18", code="INVALID_ARGUMENT") == 1
@@ -105,9 +108,9 @@ def test_failed_call_is_counted_by_code(metrics_server):
         c.extract(encode(rand_image(32, 32)), "no_such_layer")
     after = scrape(port)
     assert delta(after, before, "hookserve_requests_total",
-                 method="Extract", model="resnet18", code="INVALID_ARGUMENT") == 1
+                 method="ExtractImage", model="resnet18", code="INVALID_ARGUMENT") == 1
     assert delta(after, before, "hookserve_requests_total",
-                 method="Extract", model="resnet18", code="OK") == 0
+                 method="ExtractImage", model="resnet18", code="OK") == 0
 
 
 def test_one_structured_log_line_per_call_without_image_data(metrics_server, caplog):

@@ -247,7 +247,7 @@ class AttributionRun(Extraction):
     def _result(self, p: _Pending, error: errors.HookserveError | None) -> Attribution:
         if error is not None:
             return Attribution(p.index, p.id, error=error)
-        amap = next(iter(self._features.values()), None)
+        amap = next(iter(self._got.features.values()), None)
         s = self._summary
         if amap is None or s is None:
             return Attribution(p.index, p.id, error=errors.Internal(

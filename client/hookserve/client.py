@@ -31,7 +31,7 @@ from .attribution import (
     request_geometry,
 )
 from .endpoints import RETRYABLE, Endpoints
-from .extraction import Extraction
+from .extraction import Extraction, extract_image
 from .types import (
     Layer,
     LayerInfo,
@@ -101,6 +101,8 @@ class Client:
         self.retry_backoff = retry_backoff
         #: model name ("" = the default) -> its default preprocessing geometry
         self._geometries: dict[str, Geometry] | None = None
+        #: False once a server answered UNIMPLEMENTED to ExtractImage (it predates it)
+        self._image_rpc = True
 
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
@@ -153,8 +155,18 @@ class Client:
         """Features of one image: layer name -> array. Raises the typed error on failure.
 
         `options` are those of :meth:`extract_many` (reduction, dtype, l2_normalize,
-        native, resize, crop).
+        native, resize, crop). It uses the ExtractImage RPC (one request, no stream
+        kept open: the fastest call for a lone image), or an Extract stream with a
+        server too old to have it.
         """
+        if self._image_rpc:
+            spec = build_spec(layers, model, **options)
+            try:
+                return extract_image(self._endpoints, spec, image, self.timeout)
+            except errors.HookserveError as exc:
+                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._image_rpc = False  # an older server: use the stream from now on
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         # Run the stream to its end (not just to the first result): abandoning it would
         # cancel the call, and the server would log and count a success as CANCELLED.

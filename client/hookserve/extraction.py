@@ -26,7 +26,7 @@ import numpy as np
 from . import errors
 from .endpoints import Endpoints
 from .images import default_id, to_image
-from .tensors import TensorAssembler
+from .tensors import Collected
 from .types import Result
 from .v1 import hookserve_pb2 as pb
 from .v1 import hookserve_pb2_grpc as pb_grpc
@@ -73,20 +73,10 @@ class Extraction:
 
     def _reset(self) -> None:
         """Forget a partly received answer (a new image, or a new stream)."""
-        self._assembling: dict[str, TensorAssembler] = {}
-        self._features: dict[str, np.ndarray] = {}
-        self._columns: dict[str, tuple[str, ...]] = {}
+        self._got = Collected()
 
     def _add_tensor(self, c: pb.TensorChunk) -> None:
-        a = self._assembling.get(c.layer)
-        if a is None:
-            a = self._assembling[c.layer] = TensorAssembler(c)
-        a.add(c)
-        if a.complete:
-            self._features[c.layer] = a.array()
-            if c.columns:
-                self._columns[c.layer] = tuple(c.columns)
-            del self._assembling[c.layer]
+        self._got.add(c)
 
     def _absorb(self, msg: Any) -> Any:
         """Take in one answer message; return its status when it ends an image."""
@@ -98,7 +88,7 @@ class Extraction:
     def _result(self, p: _Pending, error: errors.HookserveError | None) -> Any:
         if error is not None:
             return Result(p.index, p.id, error=error)
-        return Result(p.index, p.id, features=self._features, columns=self._columns)
+        return Result(p.index, p.id, features=self._got.features, columns=self._got.columns)
 
     def _pull(self) -> _Pending | None:
         try:
@@ -187,3 +177,28 @@ class Extraction:
         finally:
             requests.put(_END)
             call.cancel()
+
+
+def extract_image(endpoints: Endpoints, spec: pb.ExtractionSpec, image: Any,
+                  timeout: float | None) -> dict[str, np.ndarray]:
+    """One image on the ExtractImage RPC: one request, its tensors back, the call's
+    status as the image's. Moved to another address on UNAVAILABLE like a unary call
+    (nothing of the answer is kept from a failed attempt). Raises the typed error."""
+    try:
+        request = pb.ExtractImageRequest(spec=spec, image=to_image(image, ""))
+    except (OSError, TypeError, ValueError) as exc:
+        raise errors.InvalidArgument(
+            f"could not read image {default_id(image, 0)!r}: {exc}") from None
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def call(stub: pb_grpc.FeatureExtractorStub) -> dict[str, np.ndarray]:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        got = Collected()
+        for msg in stub.ExtractImage(request, timeout=left, metadata=endpoints.metadata):
+            if msg.WhichOneof("payload") == "tensor":
+                got.add(msg.tensor)
+        if not got.complete or not got.features:
+            raise errors.Internal("the server ended ExtractImage before the whole answer")
+        return got.features
+
+    return endpoints.call(call)

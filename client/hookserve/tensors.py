@@ -70,3 +70,32 @@ class TensorAssembler:
         src = self._single if self._single is not None else (self._buf or bytearray())
         arr = np.frombuffer(src, dtype=self.dtype).reshape(self.shape)
         return arr
+
+
+class Collected:
+    """The tensors of one image's answer, gathered as their chunks arrive."""
+
+    __slots__ = ("features", "columns", "_assembling")
+
+    def __init__(self) -> None:
+        #: layer name -> its array, once all its chunks came
+        self.features: dict[str, np.ndarray] = {}
+        #: layer name -> the names of its last dimension's columns (stats)
+        self.columns: dict[str, tuple[str, ...]] = {}
+        self._assembling: dict[str, TensorAssembler] = {}
+
+    def add(self, c: pb.TensorChunk) -> None:
+        a = self._assembling.get(c.layer)
+        if a is None:
+            a = self._assembling[c.layer] = TensorAssembler(c)
+        a.add(c)
+        if a.complete:
+            self.features[c.layer] = a.array()
+            if c.columns:
+                self.columns[c.layer] = tuple(c.columns)
+            del self._assembling[c.layer]
+
+    @property
+    def complete(self) -> bool:
+        """No tensor is partly received."""
+        return not self._assembling

@@ -92,6 +92,9 @@ def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
         "Extract": grpc.stream_stream_rpc_method_handler(
             servicer.Extract, request_deserializer=None,
             response_serializer=pb.ExtractResponse.SerializeToString),
+        "ExtractImage": grpc.unary_stream_rpc_method_handler(
+            servicer.ExtractImage, request_deserializer=None,
+            response_serializer=pb.ExtractResponse.SerializeToString),
         "Attribute": grpc.stream_stream_rpc_method_handler(
             servicer.Attribute, request_deserializer=None,
             response_serializer=pb.AttributeResponse.SerializeToString),

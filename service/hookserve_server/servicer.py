@@ -159,6 +159,26 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
                                 wire.tensor_messages, pb.ExtractResponse)
 
     @mapped
+    def ExtractImage(self, request, context):
+        """One image, no stream kept open: its tensors, then the call's status is the
+        image's (an error is raised, and mapped, before any tensor is sent)."""
+        stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
+        with self._observed("ExtractImage", context, stats), self._stream_slot("ExtractImage"):
+            spec, image = wire.image_request(request)
+            stats["model"] = self._model_label(spec.model)
+            stats["layers"] = [layer.name[:100] for layer in spec.layers[:32]]
+            session = self.engine.session(_deadline(context))
+            context.add_callback(session.cancel)
+            for result in session.run_one(spec, image):
+                yield from self._answer(result, stats, wire.tensor_messages)
+                if result.error is not None:
+                    error, result = result.error, None
+                    try:
+                        raise error.detached()
+                    finally:
+                        error = None  # (this frame must not hold what it raised)
+
+    @mapped
     def Attribute(self, request_iterator, context):
         yield from self._stream("Attribute", wire.attribute_requests(request_iterator),
                                 context, wire.attribution_messages, pb.AttributeResponse)
@@ -168,9 +188,7 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
         image's answer as `messages(result, chunk_bytes)` then its status."""
         stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
         with self._observed(method, context, stats), self._stream_slot(method):
-            remaining = context.time_remaining()
-            deadline = None if remaining is None else time.monotonic() + remaining
-            session = self.engine.session(deadline)
+            session = self.engine.session(_deadline(context))
             context.add_callback(session.cancel)
             for result in session.run(self._noted(requests, stats)):
                 yield from self._answer(result, stats, messages)
@@ -190,6 +208,12 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             self.telemetry.serialize_seconds(time.perf_counter() - t0)
             self.telemetry.bytes_sent(model, nbytes)
             self.telemetry.image_done(model, "OK")
+
+
+def _deadline(context) -> float | None:
+    """The call's deadline as a time.monotonic() value (None: the client set none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 def _client_gone_is_cancelled(requests):

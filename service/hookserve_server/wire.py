@@ -140,6 +140,15 @@ def requests(request_iterator: Iterable) -> Iterator[ExtractionSpec | ImageInput
             yield to_image(req.image)
 
 
+def image_request(request) -> tuple[ExtractionSpec, ImageInput]:
+    """An ExtractImage request (raw bytes) as its spec and its image."""
+    req = parse(pb.ExtractImageRequest, request)
+    if not req.HasField("spec"):
+        raise InvalidArgument("ExtractImageRequest.spec is not set: name the model's layers "
+                              "to extract")
+    return to_spec(req.spec), to_image(req.image)
+
+
 def model_info(m: ServedModel) -> pb.ModelInfo:
     d = m.defaults
     w = m.weights

@@ -143,6 +143,14 @@ class ExtractRequest(_message.Message):
     image: Image
     def __init__(self, spec: _Optional[_Union[ExtractionSpec, _Mapping]] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
 
+class ExtractImageRequest(_message.Message):
+    __slots__ = ("spec", "image")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    spec: ExtractionSpec
+    image: Image
+    def __init__(self, spec: _Optional[_Union[ExtractionSpec, _Mapping]] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
+
 class TensorChunk(_message.Message):
     __slots__ = ("layer", "dtype", "shape", "total_bytes", "offset", "data", "columns")
     LAYER_FIELD_NUMBER: _ClassVar[int]

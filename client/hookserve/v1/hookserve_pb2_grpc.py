@@ -40,6 +40,11 @@ class FeatureExtractorStub:
                 request_serializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractRequest.SerializeToString,
                 response_deserializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.FromString,
                 _registered_method=True)
+        self.ExtractImage = channel.unary_stream(
+                '/hookserve.v1.FeatureExtractor/ExtractImage',
+                request_serializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractImageRequest.SerializeToString,
+                response_deserializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.FromString,
+                _registered_method=True)
         self.Attribute = channel.stream_stream(
                 '/hookserve.v1.FeatureExtractor/Attribute',
                 request_serializer=hookserve_dot_v1_dot_hookserve__pb2.AttributeRequest.SerializeToString,
@@ -84,6 +89,26 @@ class FeatureExtractorServicer:
         image. A problem with the call itself (an invalid spec, an unknown model
         or layer) ends the call with that status code after the images sent
         before the bad spec have been answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExtractImage(self, request, context):
+        """ExtractImage is the one-image form of Extract, for interactive calls: one
+        request holds the spec and the image; no stream is kept open on either
+        side, which makes it the cheapest call for a lone image (a bidirectional
+        stream costs a few milliseconds more per call in gRPC Python:
+        docs/performance.md).
+
+        Responses: the image's tensors, as in Extract (each layer in spec order,
+        each tensor as TensorChunk messages in ascending offset), with no
+        trailing `status` message: the call's own status is the image's status.
+        Any error (an invalid spec, an unknown model or layer, undecodable bytes,
+        a size over a limit) ends the call with its code before any tensor is
+        sent; RESOURCE_EXHAUSTED and UNAVAILABLE carry a `retry-after-ms`
+        trailer when a retry can help. It counts against the server's open-call
+        cap (`--max-streams`) like an Extract stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,6 +176,11 @@ def add_FeatureExtractorServicer_to_server(servicer, server):
                     request_deserializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractRequest.FromString,
                     response_serializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.SerializeToString,
             ),
+            'ExtractImage': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExtractImage,
+                    request_deserializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractImageRequest.FromString,
+                    response_serializer=hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.SerializeToString,
+            ),
             'Attribute': grpc.stream_stream_rpc_method_handler(
                     servicer.Attribute,
                     request_deserializer=hookserve_dot_v1_dot_hookserve__pb2.AttributeRequest.FromString,
@@ -194,6 +224,33 @@ class FeatureExtractor:
             target,
             '/hookserve.v1.FeatureExtractor/Extract',
             hookserve_dot_v1_dot_hookserve__pb2.ExtractRequest.SerializeToString,
+            hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtractImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hookserve.v1.FeatureExtractor/ExtractImage',
+            hookserve_dot_v1_dot_hookserve__pb2.ExtractImageRequest.SerializeToString,
             hookserve_dot_v1_dot_hookserve__pb2.ExtractResponse.FromString,
             options,
             channel_credentials,

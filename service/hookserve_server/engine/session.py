@@ -167,6 +167,49 @@ class Session:
             self.cancel()
             self._drop_unsent()
 
+    def run_one(self, spec: ExtractionSpec | AttributionSpec,
+                image: ImageInput) -> Iterator[ImageResult]:
+        """A one-image call (ExtractImage): no reader thread and no request stream.
+
+        The calling thread resolves the spec, plans the image from its header, reserves
+        its answer bytes and admits it, as the reader does on a stream, then waits for
+        its answer: the path is the caller's thread -> preprocessing pool -> model's
+        thread -> the caller's thread. Yields the one ImageResult; the reservation is
+        released once it was handed on (the generator resumed or closed). A bad spec
+        raises its HookserveError; a failed image (from its header on) is a result
+        with `error` set.
+        """
+        self.engine.register(self)
+        with self._cond:
+            self._reader_done = True  # nothing to read: a drain leaves this call be
+        resolved = self.engine.resolve(spec)  # a bad spec fails the call itself
+        fut: Future = Future()
+        reservation = None
+        try:  # what fails from here on is the image's error, as on a stream
+            if image.id:
+                self.engine.limits.image_id(image.id)
+            plan = self.engine.plan(resolved, image)
+            reservation = self._budget.reserve(plan.answer_bytes, lambda: self.cancelled)
+            if reservation is None:
+                raise Cancelled("the call was cancelled while waiting for buffer room")
+            self.engine.submit(resolved, image, plan, self.call, fut)
+        except HookserveError as exc:  # a bound admission permit goes with the future
+            fut.set_exception(exc.detached())
+        except BaseException:
+            self.cancel()
+            self._free(reservation)
+            raise
+        try:
+            error = fut.exception()  # read, not raised: no cycle through the future
+            result = (ImageResult(0, image.id, error=error) if error is not None
+                      else ImageResult(0, image.id, outputs=fut.result()))
+            fut = error = None
+            yield result
+        finally:
+            result = None
+            self.cancel()
+            self._free(reservation)
+
     def _read(self, requests) -> None:
         out = self._out
         spec: ResolvedSpec | None = None
