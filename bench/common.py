@@ -1,8 +1,8 @@
 """Shared helpers for the benchmarks: test images, percentiles, server subprocesses,
 the hookserve command line, machine facts and the results file.
 
-Importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` (unless already set) for this
-process and every server it starts; import it before torch.
+Importing this module sets ``GOMP_SPINCOUNT=10000`` (unless a wait policy is set
+already) for this process and every server it starts; import it before torch.
 """
 
 from __future__ import annotations
@@ -21,12 +21,16 @@ import threading
 import time
 from pathlib import Path
 
-# The client and the servers share 2 cores. With OpenMP's default (active) wait
-# policy, each process's torch threads spin for a while after every parallel region
-# and take the core the other process needs next: row e measured +11.5 ms "added" at
-# p50 that way, +2.1 ms with PASSIVE, which matches the server's own stage timings.
-# Set before torch is imported here and inherited by every server process.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The client and the servers share 2 cores. With libgomp's default wait (a ~3 ms
+# spin) each process's torch threads spin after every parallel region and take the
+# core the other process needs next: row e measured +11.5 ms "added" at p50 that way,
+# +2.1 ms with OMP_WAIT_POLICY=PASSIVE. But PASSIVE makes every region start with a
+# wake-up: resnet50 batch 1 took 89-98 ms against 61-78 ms with a ~0.1 ms spin. So
+# every process of the bench (this one, hookserve, the peers) gets the short spin that
+# `hookserve serve` sets by default (service/hookserve_server/openmp.py), unless a wait
+# policy is in the environment already. Set before torch is imported here; inherited.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402

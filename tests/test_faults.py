@@ -355,10 +355,13 @@ def test_max_streams_limits_concurrent_calls(make_server):
 class ServeProcess:
     """`hookserve serve` as a real process; its stderr JSON log is pumped to a queue."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, env: dict[str, str | None] | None = None) -> None:
         cmd = [sys.executable, "-m", "hookserve.cli", "serve", "--device", "cpu",
                "--host", "127.0.0.1", "--port", "0", *flags]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        base = dict(os.environ, PYTHONUNBUFFERED="1")
+        for k, v in (env or {}).items():  # None removes a variable
+            base.pop(k, None) if v is None else base.__setitem__(k, v)
+        env = base
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: queue.SimpleQueue = queue.SimpleQueue()
         self.log: list[str] = []

@@ -20,10 +20,12 @@ import argparse
 import io
 import os
 import socket
+import time
 
-# Same wait policy as the bench and hookserve under it (see bench/common.py); set
+# Same OpenMP wait as the bench and hookserve under it (see bench/common.py); set
 # before torch loads OpenMP. The bench passes it down in the environment anyway.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -32,6 +34,8 @@ from PIL import Image  # noqa: E402
 from torchvision.transforms import InterpolationMode  # noqa: E402
 from torchvision.transforms import functional as F  # noqa: E402
 
+#: HOOKED_FORWARD_LOG=path: each forward appends "pid batch seconds" (where the time goes)
+_FORWARD_LOG = os.environ.get("HOOKED_FORWARD_LOG")
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 
@@ -68,6 +72,15 @@ class Hooked:
 
     def forward(self, x: torch.Tensor) -> np.ndarray:
         """The hooked forward of a preprocessed batch (N, 3, 224, 224)."""
+        t0 = time.perf_counter()
+        try:
+            return self._forward(x)
+        finally:
+            if _FORWARD_LOG:  # HOOKED_FORWARD_LOG=path: one line per forward
+                with open(_FORWARD_LOG, "a") as fh:
+                    fh.write(f"{os.getpid()} {len(x)} {time.perf_counter() - t0:.6f}\n")
+
+    def _forward(self, x: torch.Tensor) -> np.ndarray:
         self._out.clear()
         with torch.inference_mode():
             try:

@@ -8,8 +8,9 @@ forward hook on one layer, early stop, a reduction (bench/peers/hooked.py; hooks
 does this itself), hookserve's default preprocessing of a 224 px JPEG (resize and
 centre crop as the model's default torchvision weights: resnet50 232/224, vgg16
 256/224; ImageNet normalisation); every answer is checked against the floor's.
-Servers run as subprocesses with the same torch thread count and
-OMP_WAIT_POLICY=PASSIVE; the in-process floor runs in this process while they idle.
+Servers run as subprocesses with the same torch thread count and the same OpenMP wait
+(GOMP_SPINCOUNT=10000, hookserve's default; bench/common.py); the in-process floor
+runs in this process while they idle.
 Rows that are compared alternate (per image for latency, per round for throughput),
 so drift in the machine's load hits every column.
 

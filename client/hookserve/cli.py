@@ -12,6 +12,9 @@ from .types import REDUCTIONS
 
 def _serve(args) -> int:
     try:
+        from hookserve_server.openmp import set_wait_default
+
+        args.openmp_note = set_wait_default()  # before torch loads OpenMP
         from hookserve_server.app import serve
     except ImportError as exc:
         print(f"hookserve serve needs the server extra ({exc.name or exc} is missing):\n"

@@ -207,6 +207,8 @@ def serve(args: argparse.Namespace) -> int:
         log.error("cannot start: warm-up failed: %s", exc.message)
         server.stop(0)
         return 2
+    if getattr(args, "openmp_note", None):
+        log.info("%s", args.openmp_note)
     log.info("hookserve listening on %s:%d (models: %s; health SERVING)", args.host,
              server.port, ", ".join(engine.models))
     stop.wait()

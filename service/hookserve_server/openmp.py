@@ -1,0 +1,36 @@
+"""OpenMP's wait between parallel regions, set before torch loads its OpenMP runtime.
+
+torch's CPU kernels run on OpenMP threads, which wait for the next parallel region
+either by sleeping (``OMP_WAIT_POLICY=PASSIVE``: every region then starts with a futex
+wake-up of each thread) or by spinning (libgomp's default: about 3 ms; ``ACTIVE``:
+minutes). A forward pass is hundreds of short regions back to back. On the 2-core dev
+VM, resnet50 batch 1 took 89-98 ms with PASSIVE, 61-78 ms with a 0.1 ms spin
+(``GOMP_SPINCOUNT=10000``), 57-63 ms with ACTIVE (docs/performance.md). A long spin,
+though, takes the core that the decode pool, gRPC or a client on the same machine
+needs next. So `hookserve serve` sets the short spin, unless the operator chose a
+policy (either variable set) in the environment.
+
+Only libgomp (torch's pip wheels on Linux) reads these; Intel's OpenMP has
+KMP_BLOCKTIME instead. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+#: libgomp spins about 100,000 times per ms (its own estimate): ~0.1 ms, then sleeps.
+SPIN_COUNT = "10000"
+
+
+def set_wait_default(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Set GOMP_SPINCOUNT to SPIN_COUNT unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is
+    set. Returns a line for the start-up log saying which policy is in force. Call it
+    before torch is imported: libgomp reads its environment once, when it loads."""
+    chosen = {k: environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in environ}
+    if chosen:
+        return "OpenMP wait policy from the environment: " + ", ".join(
+            f"{k}={v}" for k, v in chosen.items())
+    environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return (f"OpenMP threads spin ~0.1 ms before sleeping (GOMP_SPINCOUNT={SPIN_COUNT}, "
+            "hookserve's default; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose)")
