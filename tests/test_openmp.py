@@ -4,10 +4,9 @@ unless the operator chose a wait policy; the start-up log says which is in force
 from __future__ import annotations
 
 import pytest
+from test_faults import ServeProcess
 
 from hookserve_server.openmp import SPIN_COUNT, set_wait_default
-
-from test_faults import ServeProcess
 
 
 def test_default_is_set_only_when_nothing_was_chosen():
@@ -36,3 +35,16 @@ def test_serve_logs_the_policy_in_force(env, expect):
         assert len(lines) == 1 and expect in lines[0], p.log[-5:]
     finally:
         p.kill()
+
+
+def test_preprocessing_threads_run_torch_on_one_thread(make_server):
+    """Only the model's thread may start OpenMP teams: a second team (a preprocessing
+    thread resizing with torch) throttles every team's spin (openmp.one_thread_here)."""
+    import torch
+
+    s = make_server("--model", "resnet18", "--weights", "random", "--threads", "2",
+                    "--preprocess-workers", "2")
+    pool = s.engine._preparer._pool
+    counts = {pool.submit(torch.get_num_threads).result() for _ in range(8)}
+    assert counts == {1}
+    assert torch.get_num_threads() == 2  # other threads keep the configured count

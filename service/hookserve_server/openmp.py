@@ -34,3 +34,39 @@ def set_wait_default(environ: MutableMapping[str, str] = os.environ) -> str | No
     environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return (f"OpenMP threads spin ~0.1 ms before sleeping (GOMP_SPINCOUNT={SPIN_COUNT}, "
             "hookserve's default; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose)")
+
+
+def _libgomp():
+    """The libgomp this process loaded (torch's bundled copy), or None."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "libgomp" in path.rsplit("/", 1)[-1]:
+                    return ctypes.CDLL(path)  # the loaded library: no second copy
+    except OSError:
+        pass
+    return None
+
+
+def one_thread_here() -> bool:
+    """Run torch's CPU kernels on the calling thread alone, without touching other
+    threads' settings; False where that cannot be done (no libgomp).
+
+    libgomp gives every thread that starts a parallel region a team of its own, and
+    once the process has more OpenMP threads than cores it throttles every team's spin
+    to almost nothing (its GOMP_SPINCOUNT no longer applies). A preprocessing thread
+    that resizes with torch would so make the model's forward pass as slow as with
+    OMP_WAIT_POLICY=PASSIVE (measured: docs/performance.md). ``torch.set_num_threads``
+    cannot be used here: it also sets the count every new thread starts with.
+    """
+    import torch
+
+    gomp = _libgomp()
+    if gomp is None:
+        return False
+    torch.get_num_threads()  # torch's per-thread set-up first, or it would undo this
+    gomp.omp_set_num_threads(1)
+    return torch.get_num_threads() == 1

@@ -27,6 +27,7 @@ from ..errors import (
     Unavailable,
 )
 from ..models import ServedModel
+from ..openmp import one_thread_here
 from ..preprocess.decode import decode, read_header
 from ..preprocess.geometry import Geometry, apply_geometry, geometry_on_tensor, plan_geometry
 from ..preprocess.gpu_decode import decode_jpeg_on_device, probe_jpeg_bytes
@@ -56,8 +57,10 @@ class Preparer:
         self.config = config
         self.limits = limits
         self.telemetry = telemetry
+        # One OpenMP team in the process, the model thread's (openmp.py says why).
         self._pool = ThreadPoolExecutor(config.preprocess_workers,
-                                        thread_name_prefix="hookserve-pre")
+                                        thread_name_prefix="hookserve-pre",
+                                        initializer=one_thread_here)
         #: estimated peak bytes of the images being decoded and resized right now
         self._memory = Budget(config.max_preprocess_bytes, "--max-preprocess-bytes")
         #: Set by probe_gpu_decode() when the GPU decoder fails on a known-good JPEG.
