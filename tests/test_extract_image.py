@@ -220,6 +220,29 @@ def test_calls_count_against_max_streams_and_cancel_frees_them(make_server, capl
             "features.3"].shape == (128,)
 
 
+def test_side_stream_caps_do_not_apply(make_server):
+    """ExtractImage is work, like Extract: neither --max-side-streams (meant for health
+    Watch and reflection) nor their idle timeout applies to it."""
+    from hookserve_server.stream_caps import SIDE_STREAMS, WORK_STREAMS
+
+    method = "/hookserve.v1.FeatureExtractor/ExtractImage"
+    assert method in WORK_STREAMS and method not in SIDE_STREAMS
+    s = make_server("--model", "vgg11", "--weights", "random", "--seed", "0",
+                    "--max-streams", "8", "--max-side-streams", "1",
+                    "--stream-idle-seconds", "1")
+    big = raw_request(png_image(), layers=(("features.0", pb.REDUCTION_NONE),))
+    channels = [grpc.insecure_channel(s.address) for _ in range(3)]
+    held = [pb_grpc.FeatureExtractorStub(ch).ExtractImage(big, timeout=60) for ch in channels]
+    try:
+        wait_until(lambda: s.server.servicer.open_streams == 3, what="three held calls")
+        # Each is then read to its end: none was refused or cut for idling.
+        for call in held:
+            assert sum(len(m.tensor.data) for m in call) == 64 * 224 * 224 * 4
+    finally:
+        for ch in channels:
+            ch.close()
+
+
 def test_drain_refuses_new_calls_and_the_sdk_moves_to_another_address(make_server):
     a, b = make_server(*R18), make_server(*R18)
     a.server.servicer.start_drain()

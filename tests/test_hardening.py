@@ -208,8 +208,8 @@ def test_idle_side_streams_are_cancelled(make_server):
 
 
 def test_every_streaming_method_is_capped(server):
-    """A streaming method added later is counted too: the work streams (Extract and
-    Attribute) by --max-streams, each other one by --max-side-streams, and the thread
+    """A streaming method added later is counted too: the work calls (Extract,
+    ExtractImage and Attribute) by --max-streams, each other one by --max-side-streams, and the thread
     pool keeps threads for all of them plus spare ones for unary calls."""
     from grpc_health.v1 import health_pb2 as h
     from grpc_reflection.v1alpha import reflection_pb2 as r
@@ -222,6 +222,7 @@ def test_every_streaming_method_is_capped(server):
                  if m.client_streaming or m.server_streaming}
     assert {WATCH, REFLECTION} <= set(SIDE_STREAMS)
     assert streaming == set(SIDE_STREAMS) | {"/hookserve.v1.FeatureExtractor/Extract",
+                                             "/hookserve.v1.FeatureExtractor/ExtractImage",
                                              "/hookserve.v1.FeatureExtractor/Attribute"}
     opts = server.server.opts
     assert server.server._pool._max_workers == (

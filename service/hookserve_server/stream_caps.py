@@ -1,9 +1,9 @@
 """Caps on the open streaming calls other than the work streams: health Watch, reflection.
 
-The synchronous gRPC server holds one pool thread per open call. The work streams
-(Extract and Attribute) are counted by the servicer (`--max-streams`, shared by both);
-they may be silent for as long as a big batch computes, so no idle timeout applies to
-them. Every other streaming method (health Watch, reflection) is counted here, per
+The synchronous gRPC server holds one pool thread per open call. The work calls
+(Extract, ExtractImage and Attribute) are counted by the servicer (`--max-streams`,
+shared); they may be silent for as long as a big batch computes, so no idle timeout
+applies to them. Every other streaming method (health Watch, reflection) is counted here, per
 method: calls beyond
 `--max-side-streams` of one method get RESOURCE_EXHAUSTED, and a call with no message
 either way for `--stream-idle-seconds` is cancelled. The server sizes its thread pool
@@ -23,10 +23,11 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from hookserve.v1 import hookserve_pb2 as pb
 
-#: The work streams: the servicer counts them itself (--max-streams, shared).
+#: The work calls: the servicer counts them itself (--max-streams, shared).
 EXTRACT = "/hookserve.v1.FeatureExtractor/Extract"
+EXTRACT_IMAGE = "/hookserve.v1.FeatureExtractor/ExtractImage"
 ATTRIBUTE = "/hookserve.v1.FeatureExtractor/Attribute"
-WORK_STREAMS = (EXTRACT, ATTRIBUTE)
+WORK_STREAMS = (EXTRACT, EXTRACT_IMAGE, ATTRIBUTE)
 #: Every other streaming method this server registers (health Watch, reflection, and
 #: any added to the proto later). The thread pool keeps `--max-side-streams` for each.
 SIDE_STREAMS = tuple(sorted(
