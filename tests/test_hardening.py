@@ -209,8 +209,9 @@ def test_idle_side_streams_are_cancelled(make_server):
 
 def test_every_streaming_method_is_capped(server):
     """A streaming method added later is counted too: the work calls (Extract,
-    ExtractImage and Attribute) by --max-streams, each other one by --max-side-streams, and the thread
-    pool keeps threads for all of them plus spare ones for unary calls."""
+    ExtractImage and Attribute) by --max-streams, each other one by
+    --max-side-streams, and the thread pool keeps threads for all of them plus spare
+    ones for unary calls."""
     from grpc_health.v1 import health_pb2 as h
     from grpc_reflection.v1alpha import reflection_pb2 as r
 

@@ -91,7 +91,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--channels-last", default=False, is_bool=True,
          help="run convolutions in channels_last memory format (faster on GPUs)")
     _add(g, "--threads", default=0, type=int,
-         help="torch intra-op threads on the CPU; 0 keeps torch's default")
+         help="torch intra-op threads on the CPU; 0 keeps torch's default. Unless "
+              "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set, they spin ~0.1 ms between "
+              "parallel regions (GOMP_SPINCOUNT=10000) before sleeping")
 
     g = p.add_argument_group("network")
     _add(g, "--host", default="[::]", help="address to bind")
