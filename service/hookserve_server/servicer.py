@@ -162,7 +162,7 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
     def ExtractImage(self, request, context):
         """One image, no stream kept open: its tensors, then the call's status is the
         image's (an error is raised, and mapped, before any tensor is sent)."""
-        stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
+        stats = _call_stats()
         with self._observed("ExtractImage", context, stats), self._stream_slot("ExtractImage"):
             spec, image = wire.image_request(request)
             stats["model"] = self._model_label(spec.model)
@@ -186,7 +186,7 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
     def _stream(self, method: str, requests, context, messages, response_cls):
         """One Extract or Attribute call: a Session over the parsed requests, each
         image's answer as `messages(result, chunk_bytes)` then its status."""
-        stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
+        stats = _call_stats()
         with self._observed(method, context, stats), self._stream_slot(method):
             session = self.engine.session(_deadline(context))
             context.add_callback(session.cancel)
@@ -208,6 +208,11 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             self.telemetry.serialize_seconds(time.perf_counter() - t0)
             self.telemetry.bytes_sent(model, nbytes)
             self.telemetry.image_done(model, "OK")
+
+
+def _call_stats() -> dict:
+    """What one work call's log line and metrics report, filled in as it runs."""
+    return {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
 
 
 def _deadline(context) -> float | None:

@@ -26,6 +26,7 @@ from .types import CallState, ResolvedSpec
 
 if TYPE_CHECKING:
     from .core import Engine
+    from .prepare import ImagePlan
 
 log = logging.getLogger("hookserve.engine")
 
@@ -126,6 +127,15 @@ class Session:
         if len(self._ids) > ID_HISTORY:  # bounded memory on endless streams
             del self._ids[next(iter(self._ids))]
 
+    def _plan_and_reserve(self, spec: ResolvedSpec, image: ImageInput
+                          ) -> tuple[ImagePlan, Reservation | None]:
+        """One image's id check, its plan from the header (sizes, bytes), and its answer
+        bytes reserved; the reservation is None if the call was cancelled while
+        waiting for room."""
+        self._check_id(image.id)
+        plan = self.engine.plan(spec, image)
+        return plan, self._budget.reserve(plan.answer_bytes, lambda: self.cancelled)
+
     # -- the call ------------------------------------------------------------------------
     def run(self, requests: Iterable[ExtractionSpec | ImageInput]) -> Iterator[ImageResult]:
         """Consume requests on a reader thread; yield one ImageResult per image, in order.
@@ -186,10 +196,7 @@ class Session:
         fut: Future = Future()
         reservation = None
         try:  # what fails from here on is the image's error, as on a stream
-            if image.id:
-                self.engine.limits.image_id(image.id)
-            plan = self.engine.plan(resolved, image)
-            reservation = self._budget.reserve(plan.answer_bytes, lambda: self.cancelled)
+            plan, reservation = self._plan_and_reserve(resolved, image)
             if reservation is None:
                 raise Cancelled("the call was cancelled while waiting for buffer room")
             self.engine.submit(resolved, image, plan, self.call, fut)
@@ -232,10 +239,7 @@ class Session:
                 fut: Future = Future()
                 reservation = plan = None
                 try:
-                    self._check_id(req.id)
-                    plan = self.engine.plan(spec, req)  # from the header: sizes, bytes
-                    reservation = self._budget.reserve(plan.answer_bytes,
-                                                       lambda: self.cancelled)
+                    plan, reservation = self._plan_and_reserve(spec, req)
                     if reservation is None:  # cancelled while waiting for room
                         break
                 except HookserveError as exc:
