@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .types import parse_size
+
 DEFAULT_SERVER = os.environ.get("HOOKSERVE_SERVER", "localhost:50051")
 
 _SERVER_HELP = ("host:port, grpcs://host:port, dns:///name:port, or several "
@@ -20,15 +22,12 @@ _SERVERS_HELP = ("host:port, grpcs://host:port or dns:///name:port (round-robin 
 
 
 def size_arg(text: str) -> tuple[int, int]:
-    """argparse type for a size: "HxW", or one number for a square."""
-    h, _, w = text.lower().partition("x")
+    """argparse type for a size: "HxW", or one number for a square (the SDK takes the
+    same strings: :func:`hookserve.types.parse_size`)."""
     try:
-        size = (int(h), int(w or h))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HxW or one number, got {text!r}") from None
-    if min(size) <= 0:
-        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
-    return size
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_connection_args(p: argparse.ArgumentParser, *, repeatable: bool = False,
