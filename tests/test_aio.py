@@ -14,11 +14,11 @@ import time
 import grpc
 import numpy as np
 import pytest
+from test_faults import R18, answered, computed
+from test_security import BASE, TOKEN, pki, token_server  # noqa: F401 (fixtures)
 
 import hookserve
 import hookserve.aio
-from test_faults import R18, answered, computed
-from test_security import BASE, TOKEN, pki, token_server  # noqa: F401 (fixtures)
 
 from conftest import encode, rand_image
 
