@@ -28,8 +28,8 @@ class TensorAssembler:
     The array wraps that buffer (a ``bytearray``) without a further copy, so it is
     writable and owns its memory like any array the caller made: ``a -= a.mean()``
     works in place. A message's bytes are immutable, so even a tensor that arrives in
-    a single chunk is copied once (about 0.1 ms per MB, against about 2 ms per MB for
-    gRPC to carry it here).
+    a single chunk is copied once: about 0.07 ms per MB, under 0.1% of an ExtractImage
+    call (bench/array_copy.py).
     """
 
     __slots__ = ("layer", "dtype", "shape", "total", "_buf", "_got")
