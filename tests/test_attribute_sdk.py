@@ -198,6 +198,9 @@ def test_overlay_heat_clips_at_a_percentile_and_picks_a_sign():
     assert jet(np.array([0.0, 1.0])).tolist() == [[0, 0, 128], [128, 0, 0]]
     assert diverging(np.array([-1.0, 0.0, 1.0])).tolist() == [
         [59, 76, 192], [221, 221, 221], [180, 4, 38]]
-    img = np.zeros((1, 4, 3), np.uint8)
+    # Signed overlays weigh each pixel by |value|: where the map is zero, the image.
+    img = np.full((1, 4, 3), 100, np.uint8)
     out = np.asarray(hookserve.overlay(img, x, alpha=1.0, sign="all", clip=100))
-    assert out[0].tolist() == [[180, 4, 38], [59, 76, 192], [221, 221, 221], [221, 221, 221]]
+    assert out[0].tolist() == [[180, 4, 38], [59, 76, 192], [100, 100, 100], [100, 100, 100]]
+    out = np.asarray(hookserve.overlay(img, x, alpha=0.5, sign="negative", clip=100))
+    assert out[0].tolist() == [[100, 100, 100], [80, 88, 146], [100, 100, 100], [100, 100, 100]]

@@ -5,8 +5,8 @@
     >>> g = client.attribute("cat.jpg", method="gradient")
     >>> hookserve.overlay("cat.jpg", g, clip=99, sign="all").save("cat_grad.png")
 
-No matplotlib: the colour maps ("jet" for magnitudes, a blue-grey-red ramp for signed
-maps) are computed in numpy. PIL (pillow) is a core dependency of the SDK, so this
+No matplotlib: the colour maps ("jet" for magnitudes, blue and red for the sign) are
+computed in numpy. PIL (pillow) is a core dependency of the SDK, so this
 needs no extra.
 """
 
@@ -124,15 +124,16 @@ def overlay(image: Any, attribution: Any, alpha: float = 0.5, *, index: int = 0,
         index: which map of a ``top_k >= 2`` Attribution (0: the most likely class).
         clip: the percentile of the map's magnitudes that tops the colour scale (values
             above it saturate); None: 99 for input-space maps, 100 for layer maps.
-        sign: "absolute" (default), "positive", "negative" or "all" (signed, on a
-            blue-grey-red ramp); see :func:`heat`.
+        sign: "absolute" (default: magnitudes on the jet ramp, blended with `alpha`
+            everywhere), or "positive", "negative", "all": red for positive values,
+            blue for negative ones, each pixel blended by ``alpha * |value|`` so that
+            the image shows where the map is zero. See :func:`heat`.
         resize, crop: the preprocessing geometry (as the SDK takes it: ``256``,
             ``"224x224"``...); taken from the Attribution when not given. With a bare
             array and neither given, the whole image is used.
 
     The result has the size of the model's input (e.g. 224x224 under the default
-    preprocessing); the map is upsampled to it bilinearly. Magnitudes use the "jet"
-    ramp (dark blue for the least, dark red for the most).
+    preprocessing); the map is upsampled to it bilinearly.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -146,9 +147,14 @@ def overlay(image: Any, attribution: Any, alpha: float = 0.5, *, index: int = 0,
                       geometry[1] if crop is None else parse_size(crop, "crop"))
     h = np.asarray(Image.fromarray(heat(amap, clip=clip, sign=sign)).resize(
         view.size, Image.BILINEAR))
-    colour = (diverging(h) if sign == "all" else jet(h)).astype(np.float32)
     base = np.asarray(view, dtype=np.float32)
-    out = (1.0 - alpha) * base + alpha * colour
+    if sign == "absolute":
+        weight: Any = alpha
+        colour = jet(h).astype(np.float32)
+    else:  # red for positive, blue for negative, the image where the map is zero
+        weight = alpha * np.abs(h)[..., None]
+        colour = diverging(-h if sign == "negative" else h).astype(np.float32)
+    out = (1.0 - weight) * base + weight * colour
     return Image.fromarray(np.clip(out + 0.5, 0, 255).astype(np.uint8))
 
 
