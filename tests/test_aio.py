@@ -279,3 +279,41 @@ def test_cancelling_the_iterator_cancels_the_call(make_server, how):
 
     run(main())
     assert s.engine.hook_count() == 0
+
+
+def test_a_server_without_extract_image_gets_a_stream(server, client, imgs):
+    """Both clients fall back to an Extract stream when ExtractImage is UNIMPLEMENTED
+    (a server that predates it: here a proxy that forwards Extract only)."""
+    from concurrent import futures
+
+    upstream = grpc.insecure_channel(server.address)
+    forward = upstream.stream_stream("/hookserve.v1.FeatureExtractor/Extract",
+                                     request_serializer=None, response_deserializer=None)
+    proxy = grpc.server(futures.ThreadPoolExecutor(4))
+    proxy.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "hookserve.v1.FeatureExtractor",
+        {"Extract": grpc.stream_stream_rpc_method_handler(
+            lambda requests, ctx: forward(requests, timeout=60))})])
+    port = proxy.add_insecure_port("127.0.0.1:0")
+    proxy.start()
+    try:
+        want = client.extract(imgs[0], "layer2", reduction="avg")["layer2"]
+        with hookserve.Client(f"127.0.0.1:{port}", timeout=60) as c:
+            for _ in range(2):
+                np.testing.assert_allclose(
+                    c.extract(imgs[0], "layer2", reduction="avg")["layer2"], want, **TOL)
+            assert c._image_rpc is False
+
+        async def main():
+            async with hookserve.aio.Client(f"127.0.0.1:{port}", timeout=60) as c:
+                for _ in range(2):
+                    got = await c.extract(imgs[0], "layer2", reduction="avg")
+                    np.testing.assert_allclose(got["layer2"], want, **TOL)
+                assert c._image_rpc is False
+                with pytest.raises(hookserve.InvalidArgument, match="not a recognised"):
+                    await c.extract(b"junk", "layer2")
+
+        run(main())
+    finally:
+        proxy.stop(0)
+        upstream.close()
