@@ -7,6 +7,7 @@ exercise the real start-up path. Weights are seeded random (no downloads here).
 from __future__ import annotations
 
 import io
+import socket
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -75,6 +76,17 @@ def make_server() -> Iterator[Callable[..., RunningServer]]:
     yield factory
     for s in started:
         s.stop(2.0)
+
+
+@pytest.fixture
+def silent_address() -> Iterator[str]:
+    """host:port of a TCP listener that never answers: a call to it can only end at its
+    deadline (connections wait in the listen backlog, never accepted)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    yield f"127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
 
 
 def rand_image(h: int = 64, w: int = 80, seed: int = 0) -> np.ndarray:

@@ -3,11 +3,16 @@ live server."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import h5py
 import numpy as np
 from PIL import Image
 from test_cli import hs
 from test_stats import numpy_stats
+
+import hookserve
 
 from conftest import encode, rand_image
 
@@ -72,3 +77,63 @@ def test_extract_and_batch_take_reduction_stats(server, client, tmp_path):
     r = hs("batch", str(p), "--out", str(tmp_path / "b.parquet"), "--layers", "layer2:stats",
            "--server", server.address)
     assert r.returncode == 2 and "Parquet takes 1-D" in r.stderr
+
+
+def test_output_names_are_unique_per_input_and_mirror_their_folders(server, client, tmp_path):
+    """a/cat.png, b/cat.png and cat-1.png each get their own files; so do x.png and
+    x.jpg, and a path given twice."""
+    files = {"a/cat.png": 1, "b/cat.png": 2, "cat-1.png": 3, "x.png": 4, "x.jpg": 5}
+    for name, seed in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        img = rand_image(48, 48, seed=seed)
+        (tmp_path / name).write_bytes(encode(img, "JPEG" if name.endswith("jpg") else "PNG"))
+    inputs = [*files, "x.png"]
+    r = subprocess.run([sys.executable, "-m", "hookserve.cli", "attribute", *inputs,
+                        "--layer", "layer3", "--native", "--out", "maps",
+                        "--server", server.address],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "maps"
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    bases = ["a/cat", "b/cat", "cat-1", "x", "x.jpg", "x.png"]
+    assert written == sorted(f"{b}.{ext}" for b in bases for ext in ("npy", "png"))
+    for name, base in zip(inputs, bases, strict=True):
+        want = client.attribute(str(tmp_path / name), "layer3", native=True).map
+        np.testing.assert_allclose(np.load(out / f"{base}.npy"), want, rtol=1e-4, atol=1e-5)
+        assert f"-> {out.name}/{base}.npy" in r.stdout.replace(str(out), out.name)
+
+
+def test_unique_names_keep_every_file_apart():
+    from hookserve.cli_args import relative_stems, unique_names
+
+    def files(top_k):
+        return lambda n: [f"{n}.npy"] + ([f"{n}.png"] if top_k <= 1 else
+                                         [f"{n}.{k}.png" for k in range(1, top_k + 1)])
+
+    stems = relative_stems(["d/x.png", "d/x.1.png", "d/X.PNG", "d/x.png"])
+    assert stems == [["x", "x.png"], ["x.1", "x.1.png"], ["X", "X.PNG"], ["x", "x.png"]]
+    # X.PNG is x.png on a case-insensitive file system, so the repeated x.png,
+    # whose suffixed name X.PNG took, gets a number
+    names = unique_names(stems, files(2))
+    assert names == ["x", "x.1", "X.PNG", "x.png-2"]
+    got = [f.casefold() for n in names for f in files(2)(n)]
+    assert len(got) == len(set(got))
+    assert unique_names([["a/cat"], ["b/cat"]], files(1)) == ["a/cat", "b/cat"]
+
+
+def test_overlay_clip_and_sign_reach_the_cli(server, client, tmp_path):
+    p = tmp_path / "g.png"
+    p.write_bytes(encode(rand_image(64, 64, seed=9)))
+    r = hs("attribute", str(p), "--method", "gradient", "--native", "--clip", "95",
+           "--sign", "all", "--alpha", "1", "--out", str(tmp_path / "o"),
+           "--server", server.address)
+    assert r.returncode == 0, r.stderr
+    a = client.attribute(str(p), method="gradient", native=True)
+    want = np.asarray(hookserve.overlay(str(p), a, alpha=1.0, clip=95, sign="all"))
+    with Image.open(tmp_path / "o" / "g.png") as png:
+        got = np.asarray(png)
+    assert np.abs(got.astype(int) - want).max() <= 2     # batched there, alone here
+    r = hs("attribute", str(p), "--clip", "0", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "--clip is a percentile" in r.stderr
+    r = hs("attribute", str(p), "--sign", "both", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "invalid choice: 'both'" in r.stderr

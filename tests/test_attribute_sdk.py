@@ -165,3 +165,42 @@ def test_stats_reduction_through_the_sdk(client, imgs):
     assert "fc" not in r.columns
     vec = client.extract(imgs[0], "fc", reduction="stats", native=True)["fc"]
     assert vec.shape == (1, 5)
+
+
+def test_overlay_heat_clips_at_a_percentile_and_picks_a_sign():
+    from hookserve.overlay import diverging, heat, jet
+
+    # One outlier among 0..98: without clipping every other value is near zero.
+    m = np.arange(100, dtype=np.float32).reshape(10, 10)
+    m[9, 9] = 1e6
+    h = heat(m)                                 # a layer map: clip 100, min-max
+    assert h[9, 9] == 1.0 and h[8, 9] == pytest.approx(89 / 1e6)
+    h = heat(m, clip=90)                        # 90th percentile of 100 values: 89.1
+    np.testing.assert_allclose(h.ravel()[:89], np.arange(89) / 89.1, rtol=1e-6)
+    assert (h.ravel()[90:] == 1.0).all()
+    # Input-space maps: per pixel, sum |x| over channels for "absolute", the signed sum
+    # for the other signs. Pixels: (1,1,1) (-1,-1,-1) (2,-2,0) (0,0,0).
+    x = np.array([[1, -1, 2, 0], [1, -1, -2, 0], [1, -1, 0, 0]], np.float32)[:, None, :]
+    cases = {"absolute": [0.75, 0.75, 1, 0], "positive": [1, 0, 0, 0],
+             "negative": [0, 1, 0, 0], "all": [1, -1, 0, 0]}
+    for sign, want in cases.items():
+        np.testing.assert_allclose(heat(x, clip=100, sign=sign)[0], want, atol=1e-7)
+    # The input-space default is clip=99: |x| sums (0, 3, 3, 4) -> p99 = 3.97.
+    np.testing.assert_allclose(heat(x)[0], [3 / 3.97, 3 / 3.97, 1, 0], rtol=1e-6)
+    np.testing.assert_allclose(heat(-x, sign="negative")[0], heat(x, sign="positive")[0])
+    flat = np.full((4, 4), 7.0, np.float32)
+    assert not heat(flat).any() and (heat(flat, sign="all") == 1).all()   # constant maps
+    assert not heat(np.zeros((4, 4), np.float32), sign="all").any()
+    for bad in ({"clip": 0}, {"clip": 101}, {"sign": "both"}):
+        with pytest.raises(ValueError):
+            heat(x, **bad)
+    # Colours: magnitudes on jet, signed values on blue - grey - red.
+    assert jet(np.array([0.0, 1.0])).tolist() == [[0, 0, 128], [128, 0, 0]]
+    assert diverging(np.array([-1.0, 0.0, 1.0])).tolist() == [
+        [59, 76, 192], [221, 221, 221], [180, 4, 38]]
+    # Signed overlays weigh each pixel by |value|: where the map is zero, the image.
+    img = np.full((1, 4, 3), 100, np.uint8)
+    out = np.asarray(hookserve.overlay(img, x, alpha=1.0, sign="all", clip=100))
+    assert out[0].tolist() == [[180, 4, 38], [59, 76, 192], [100, 100, 100], [100, 100, 100]]
+    out = np.asarray(hookserve.overlay(img, x, alpha=0.5, sign="negative", clip=100))
+    assert out[0].tolist() == [[100, 100, 100], [80, 88, 146], [100, 100, 100], [100, 100, 100]]

@@ -296,11 +296,15 @@ def test_oversized_request_message_is_refused(limited):
         assert c.extract(rand_image(32, 32), "conv1", reduction="avg")["conv1"].shape == (64,)
 
 
-def test_describe_model_bad_arguments(client):
+def test_describe_model_bad_arguments(server, client):
     with pytest.raises(hookserve.errors.NotFound):
         client.describe("alexnet")
-    with pytest.raises(hookserve.errors.InvalidArgument, match="both"):
+    with pytest.raises(ValueError, match="size must be positive"):   # refused by the SDK
         client.describe("resnet18", (224, 0))
+    with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.FeatureExtractorStub(ch).DescribeModel(pb.DescribeModelRequest(
+            model="resnet18", input_height=224, input_width=0), timeout=30)
+    assert e.value.code() == INVALID and "both" in e.value.details()
     with pytest.raises(hookserve.errors.InvalidArgument, match="over the limit"):
         client.describe("resnet18", (100000, 100000))
     with pytest.raises(hookserve.errors.InvalidArgument, match="too small"):

@@ -305,3 +305,52 @@ def test_engine_is_idle_after_calls(server, client, img):
     client.extract(img, ["layer1"])
     assert server.engine.hook_count() == 0
     assert server.engine.queued == 0
+
+
+def _root(a: np.ndarray):
+    """The object that owns an array's memory."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a.obj if isinstance(a, memoryview) else a
+
+
+def test_result_arrays_are_writable_with_one_copy_at_most(client, img):
+    """Single-chunk and multi-chunk tensors, features and maps: writable in place, each
+    wrapping the one buffer its chunks were copied into (no second copy)."""
+    got = client.extract(img, {"layer4": {"reduction": "avg"}, "fc": None})
+    big = client.extract(img, ["features.0"], model="vgg11")["features.0"]   # 12.8 MB
+    amap = client.attribute(img, "layer4").map
+    for a in (got["layer4"], got["fc"], big, amap):
+        assert a.flags.writeable and a.flags.c_contiguous
+        assert isinstance(_root(a), bytearray), type(_root(a))
+    before = got["fc"].copy()
+    got["fc"] -= got["fc"].mean()                    # in place, as with a torch tensor
+    np.testing.assert_allclose(got["fc"], before - before.mean(), rtol=1e-6)
+    big[0, 0, 0] = 42.0
+    assert big[0, 0, 0] == 42.0
+    amap /= max(float(amap.max()), 1e-12)
+    (r,) = client.extract_many([img], ["layer1"], reduction="stats")
+    r.features["layer1"][:, 0] = 0.0                 # stats arrays too
+    assert not r.features["layer1"][:, 0].any()
+
+
+@pytest.mark.parametrize("size,want", [
+    ("480x640", (480, 640)), ("288X288", (288, 288)), ("224", (224, 224)), (224, (224, 224)),
+    ((96, 128), (96, 128)), ([96, 128], (96, 128)), (np.int64(64), (64, 64)),
+])
+def test_sdk_takes_the_cli_size_strings(client, img, size, want):
+    d = client.describe("resnet18", size)
+    assert d.input_size == want
+    assert d.layer("conv1").shape == (64, (want[0] + 1) // 2, (want[1] + 1) // 2)
+    got = client.extract(img, ["conv1"], crop=size, resize=max(want))
+    assert got["conv1"].shape == d.layer("conv1").shape
+    a = client.attribute(img, "layer4", crop=size, resize=str(max(want)))
+    assert a.geometry == (max(want), want)
+
+
+@pytest.mark.parametrize("bad", ["480x", "x640", "big", "0x10", "-5", (1, 2, 3), 2.5, True])
+def test_sdk_refuses_bad_sizes_before_calling(client, img, bad):
+    with pytest.raises(ValueError, match="HxW such as '480x640'|must be positive"):
+        client.describe("resnet18", bad)
+    with pytest.raises(ValueError, match="crop"):
+        client.extract(img, ["conv1"], crop=bad)

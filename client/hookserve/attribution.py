@@ -12,7 +12,7 @@ summary and map messages. No torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +21,8 @@ import numpy as np
 from . import errors
 from .endpoints import Endpoints
 from .extraction import Extraction, _Pending
-from .types import build_preprocessing
+from .types import Size, build_preprocessing, parse_side, parse_size
 from .v1 import hookserve_pb2 as pb
-from .v1 import hookserve_pb2_grpc as pb_grpc
 
 #: Method name -> wire enum. The CAM methods explain a layer; the others the input.
 METHODS = {
@@ -89,7 +88,8 @@ class Attribution:
     index: int
     #: The image's id (its path, or its position as a string, unless ids were given).
     id: str
-    #: The map (read-only when it arrived in one chunk), or None on error.
+    #: The map, or None on error: writable, owning its memory (copied once out of the
+    #: received message(s), as ``Result.features``).
     map: np.ndarray | None = None
     #: One entry per map (one, or top_k in the order of the map's leading dimension).
     targets: list[MapTarget] = field(default_factory=list)
@@ -160,8 +160,8 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
                            normalize: bool = False, upsample: bool = False,
                            steps: int = 0, baseline: str = "zeros", samples: int = 0,
                            sigma: float = 0.0, seed: int = 0, native: bool = False,
-                           resize: int | None = None,
-                           crop: int | tuple[int, int] | None = None) -> pb.AttributionSpec:
+                           resize: int | str | None = None,
+                           crop: Size | None = None) -> pb.AttributionSpec:
     """The wire AttributionSpec (raises ValueError on options that cannot be encoded;
     the server checks the rest: the layer, method/layer pairing, the cost cap)."""
     for what, value, table in (("method", method, METHODS), ("score", score, SCORES),
@@ -184,19 +184,21 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
     return spec
 
 
-def request_geometry(native: bool, resize: int | None,
-                     crop: int | tuple[int, int] | None) -> Geometry | None:
+def request_geometry(native: bool, resize: int | str | None,
+                     crop: Size | None) -> Geometry | None:
     """The geometry the options ask for; None for the model's default (ask the server)."""
     if native:
         return (0, None)
-    if resize is None and crop is None:
+    side = parse_side(resize)
+    if side is None and crop is None:
         return None
-    c = (crop, crop) if isinstance(crop, int) else (tuple(crop) if crop else None)
-    return (resize or 0, c)
+    return (side or 0, parse_size(crop, "crop") if crop is not None else None)
 
 
 class AttributionRun(Extraction):
     """Owns the stream(s) of one attribute_many call; yields :class:`Attribution`s."""
+
+    rpc = "Attribute"
 
     def __init__(self, endpoints: Endpoints, spec: pb.AttributionSpec, images: Iterable[Any],
                  ids: Iterable[str] | None, targets: Iterable[int | None] | None, window: int,
@@ -204,10 +206,12 @@ class AttributionRun(Extraction):
         super().__init__(endpoints, spec, images, ids, window, deadline)  # type: ignore[arg-type]
         self.targets = iter(targets) if targets is not None else None
         self.geometry = geometry
+        #: True when `geometry` needs the model's default preprocessing (ListModels)
+        self.default_geometry = False
 
-    def _pull(self) -> _Pending | None:
-        p = super()._pull()
-        if p is not None and self.targets is not None:
+    def admit(self, obj: Any) -> _Pending:
+        p = super().admit(obj)
+        if self.targets is not None:
             missing = object()
             t = next(self.targets, missing)
             if t is missing:
@@ -218,10 +222,6 @@ class AttributionRun(Extraction):
                                  f"got {t!r}")
             p.extra = None if t is None else int(t)
         return p
-
-    def _open(self, stub: pb_grpc.FeatureExtractorStub, requests: Iterator[Any],
-              timeout: float | None) -> Any:
-        return stub.Attribute(requests, timeout=timeout, metadata=self.endpoints.metadata)
 
     def _spec_request(self) -> Any:
         return pb.AttributeRequest(spec=self.spec)

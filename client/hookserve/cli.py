@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .cli_args import add_connection_args, add_preprocessing_args, make_client, size_arg
+from .cli_args import (
+    STREAM_TIMEOUT,
+    add_connection_args,
+    add_preprocessing_args,
+    make_client,
+    size_arg,
+    unique_names,
+    weights_text,
+)
 from .tensors import DTYPE_NAMES
 from .types import REDUCTIONS
+
+#: Exit status after stdout was closed early (`hookserve describe | head`): 128 +
+#: SIGPIPE, what a shell reports for a program that the closed pipe ended.
+EXIT_PIPE_CLOSED = 141
 
 
 def _serve(args) -> int:
@@ -28,8 +41,7 @@ def _describe(args) -> int:
         d = c.describe(args.model, args.size)
     m = d.model
     print(f"model {m.name} ({m.architecture}) on {m.device}, {m.dtype}; weights: "
-          f"{m.weights_source} {m.weights_name} {m.weights_digest[:19]}"
-          + ("" if m.pretrained else "  [RANDOM: not for real use]"))
+          f"{weights_text(m)}")
     print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}")
     print(f"input {d.input_size[0]}x{d.input_size[1]}: {len(d.layers)} layers\n")
     w = max(len(li.name) for li in d.layers)
@@ -46,31 +58,42 @@ def _models(args) -> int:
         for i, m in enumerate(c.list_models()):
             flag = " (default)" if i == 0 else ""
             print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, weights "
-                  f"{m.weights_source} {m.weights_name} {m.weights_digest[:19]}")
+                  f"{weights_text(m)}")
     return 0
 
 
 def _extract(args) -> int:
     import numpy as np
 
+    if args.out and not args.out.lower().endswith(".npz"):
+        print(f"error: --out {args.out}: extract writes one .npz file, so name it "
+              "NAME.npz (for .h5, .parquet or a folder of .npy files, use hookserve "
+              "batch)", file=sys.stderr)
+        return 2
     layers = [x for s in args.layers for x in s.split(",") if x]
+    # One key prefix per input: its path as given, made unique if given twice.
+    keys = unique_names([[p] for p in args.images],
+                        lambda k: [f"{k}:{layer}" for layer in layers])
     out: dict[str, np.ndarray] = {}
     failed = 0
     with make_client(args) as c:
         for r in c.extract_many(args.images, layers, model=args.model,
                                 reduction=args.reduction, dtype=args.dtype,
                                 l2_normalize=args.l2_normalize, native=args.native,
-                                resize=args.resize, crop=args.crop):
+                                resize=args.resize, crop=args.crop, timeout=args.timeout):
             if r.error is not None:
                 failed += 1
                 print(f"{r.id}: {r.error}", file=sys.stderr)
                 continue
             for layer, arr in r.features.items():
-                key = f"{r.id}:{layer}" if len(args.images) > 1 else layer
+                key = f"{keys[r.index]}:{layer}" if len(args.images) > 1 else layer
                 out[key] = arr
                 print(f"{r.id}  {layer}  {arr.dtype}  {tuple(arr.shape)}")
     if args.out:
-        np.savez(args.out, **out)
+        tmp = f"{args.out}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as fh:  # a file object: the name is kept as given (.NPZ)
+            np.savez(fh, **out)
+        os.replace(tmp, args.out)     # readers see the old file or the whole new one
         print(f"wrote {len(out)} arrays to {args.out}")
     return 1 if failed else 0
 
@@ -89,9 +112,13 @@ def _health(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(
         prog="hookserve",
         description="Remote feature extraction from torchvision CNNs over gRPC.")
+    p.add_argument("--version", action="version", version=f"hookserve {__version__}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the server (needs the server extra)",
@@ -110,23 +137,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_args(s)
     s.set_defaults(func=_describe)
 
-    s = sub.add_parser("models", help="list the models a server holds")
+    s = sub.add_parser("models", help="list the models a server holds",
+                       description="List the models a server holds (the first is its "
+                                   "default): architecture, device, dtype, and the weights "
+                                   "in use with their digest. Random weights are marked "
+                                   "RANDOM: not for real use.")
     add_connection_args(s)
     s.set_defaults(func=_models)
 
     s = sub.add_parser("extract", help="extract features of a few images to .npz",
-                       description="Extract layers of a handful of images. For folders of "
-                                   "many images use `hookserve batch`.")
+                       description="Extract layers of a handful of images on one stream. "
+                                   "For folders of many images use `hookserve batch`.")
     s.add_argument("images", nargs="+", help="image files")
     s.add_argument("--layers", action="append", required=True,
-                   help="layer names, comma-separated or repeated")
+                   help="layer names, comma-separated or repeated (hookserve describe "
+                        "lists them; NAME:input for a module's input)")
     s.add_argument("--model", help="model name (default: the server's default)")
-    s.add_argument("--reduction", default="none", choices=list(REDUCTIONS))
-    s.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES))
-    s.add_argument("--l2-normalize", action="store_true")
+    s.add_argument("--reduction", default="none", choices=list(REDUCTIONS),
+                   help="per layer: none (the whole tensor), avg or max (pooled over "
+                        "space: one value per channel), flatten, stats (per channel: "
+                        "mean, std, min, max, zero fraction) (default: %(default)s)")
+    s.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES),
+                   help="the arrays' type; bfloat16 arrives as uint16 bit patterns "
+                        "(default: %(default)s)")
+    s.add_argument("--l2-normalize", action="store_true",
+                   help="scale each layer's (reduced) output to unit L2 norm")
     add_preprocessing_args(s)
-    s.add_argument("--out", help="write arrays to this .npz (keys: layer, or id:layer)")
-    add_connection_args(s)
+    s.add_argument("--out", help="write the arrays to this .npz file (keys: LAYER for one "
+                                 "image, PATH:LAYER for several)")
+    add_connection_args(s, timeout_default=STREAM_TIMEOUT,
+                        timeout_help="seconds for the whole call (one stream carries "
+                                     "every image)")
     s.set_defaults(func=_extract)
 
     s = sub.add_parser("health", help="ask the gRPC health service; exit 0 when SERVING",
@@ -145,14 +186,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command; the exit status: 0 done, 1 a call or an image failed, 2 the
+    command could not run (bad arguments), 141 stdout was closed early."""
     from .errors import HookserveError
 
     try:
-        return args.func(args) or 0
-    except HookserveError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        args = build_parser().parse_args(argv)
+        try:
+            return args.func(args) or 0
+        except HookserveError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except (ValueError, OSError) as exc:
+            if isinstance(exc, BrokenPipeError):
+                raise
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as a program that SIGPIPE ends.
+        # What is still buffered for stdout goes nowhere, so exiting raises nothing more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

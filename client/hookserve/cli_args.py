@@ -1,5 +1,6 @@
 """Command-line pieces shared by every `hookserve` subcommand: the connection flags
-(declared once, here), the HxW size type, and the Client those flags describe.
+(declared once, here), the HxW size type, the Client those flags describe, and how
+outputs are named (one name per input, never shared).
 
 Both :mod:`hookserve.cli` and :mod:`hookserve.batch.cli` import this module; it imports
 neither of them, so the command's modules form no cycle.
@@ -8,9 +9,19 @@ neither of them, so the command's modules form no cycle.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .types import parse_size
 
 DEFAULT_SERVER = os.environ.get("HOOKSERVE_SERVER", "localhost:50051")
+#: --timeout of the one-shot calls (describe, models, health) and of one whole stream
+#: (extract, attribute: every image on one call), in seconds.
+CALL_TIMEOUT = 60.0
+STREAM_TIMEOUT = 600.0
 
 _SERVER_HELP = ("host:port, grpcs://host:port, dns:///name:port, or several "
                 "comma-separated (default: %(default)s; env HOOKSERVE_SERVER)")
@@ -20,19 +31,28 @@ _SERVERS_HELP = ("host:port, grpcs://host:port or dns:///name:port (round-robin 
 
 
 def size_arg(text: str) -> tuple[int, int]:
-    """argparse type for a size: "HxW", or one number for a square."""
-    h, _, w = text.lower().partition("x")
+    """argparse type for a size: "HxW", or one number for a square (the SDK takes the
+    same strings: :func:`hookserve.types.parse_size`)."""
     try:
-        size = (int(h), int(w or h))
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type for --timeout: seconds, 0 for no limit."""
+    try:
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HxW or one number, got {text!r}") from None
-    if min(size) <= 0:
-        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
-    return size
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected seconds (0: no limit), got {text!r}")
+    return value
 
 
 def add_connection_args(p: argparse.ArgumentParser, *, repeatable: bool = False,
-                        timeout_help: str = "seconds per call") -> None:
+                        timeout_help: str = "seconds per call",
+                        timeout_default: float = CALL_TIMEOUT) -> None:
     """--server, --timeout, --ca, --cert, --key, --token-file.
 
     `repeatable`: --server may be given several times (a list; None when not given,
@@ -42,7 +62,8 @@ def add_connection_args(p: argparse.ArgumentParser, *, repeatable: bool = False,
         p.add_argument("--server", action="append", help=_SERVERS_HELP)
     else:
         p.add_argument("--server", default=DEFAULT_SERVER, help=_SERVER_HELP)
-    p.add_argument("--timeout", type=float, default=60.0, help=timeout_help)
+    p.add_argument("--timeout", type=seconds_arg, default=timeout_default, metavar="SECONDS",
+                   help=f"{timeout_help}; 0: no limit (default: %(default)s)")
     p.add_argument("--ca", help="PEM CA file to trust (TLS)")
     p.add_argument("--cert", help="PEM client certificate (mutual TLS)")
     p.add_argument("--key", help="PEM client key (mutual TLS)")
@@ -77,6 +98,55 @@ def make_client(args: argparse.Namespace, addresses: list[str] | None = None, **
     if getattr(args, "token_file", None):
         with open(args.token_file) as fh:
             token = fh.read().strip()
-    return Client(addresses or servers_of(args), timeout=args.timeout, token=token,
+    return Client(addresses or servers_of(args), timeout=args.timeout or None, token=token,
                   root_certificates=args.ca, certificate_chain=args.cert,
                   private_key=args.key, **kw)
+
+
+def weights_text(m: Any) -> str:
+    """A model's weights as the CLI prints them, random ones marked as such."""
+    return (f"{m.weights_source} {m.weights_name} {m.weights_digest[:19]}"
+            + ("" if m.pretrained else "  [RANDOM: not for real use]"))
+
+
+def relative_stems(paths: Sequence[str]) -> list[list[str]]:
+    """Output name candidates per input path, best first: the path relative to the
+    inputs' common folder without its suffix (``a/cat.png`` and ``b/cat.png`` give
+    ``a/cat`` and ``b/cat``; inputs in one folder give bare stems), then with it."""
+    absolute = [os.path.abspath(p) for p in paths]
+    try:
+        common = os.path.commonpath([os.path.dirname(a) for a in absolute])
+        rel = [os.path.relpath(a, common) for a in absolute]
+    except ValueError:  # different drives: no common folder
+        rel = [os.path.basename(a) for a in absolute]
+    out = []
+    for r in rel:
+        stem, suffix = os.path.splitext(r)
+        out.append([stem, r] if suffix else [stem])
+    return out
+
+
+def unique_names(candidates: Sequence[Sequence[str]],
+                 files: Callable[[str], list[str]]) -> list[str]:
+    """One name per input such that no two inputs write the same file.
+
+    `candidates[i]` lists input i's names, best first; `files(name)` the files (or
+    keys) a name writes. An input keeps its first candidate when no other input's
+    first candidate shares a file with it; the others take, in input order, their
+    first free candidate, then the last one with ``-2``, ``-3``... (the same path
+    given twice). Names are compared without case, as a case-insensitive file system
+    would.
+    """
+    def fold(name: str) -> set[str]:
+        return {f.casefold() for f in files(name)}
+
+    firsts = Counter(f for c in candidates for f in fold(c[0]))
+    names: list[str | None] = [c[0] if all(firsts[f] == 1 for f in fold(c[0])) else None
+                               for c in candidates]
+    taken = {f for n in names if n is not None for f in fold(n)}
+    for i, c in enumerate(candidates):
+        if names[i] is None:
+            more = (f"{c[-1]}-{k}" for k in itertools.count(2))
+            names[i] = next(n for n in itertools.chain(c, more) if not fold(n) & taken)
+            taken |= fold(names[i])
+    return [n for n in names if n is not None]

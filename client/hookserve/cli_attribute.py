@@ -6,6 +6,12 @@ writes, per image, ``maps/<name>.png`` (the heat map over the image the model sa
 :func:`hookserve.overlay`) and ``maps/<name>.npy`` (the raw float32 map). With
 ``--top-k K`` (K >= 2) the array holds K maps and the overlays are
 ``<name>.1.png`` ... ``<name>.K.png``, most likely class first.
+
+``<name>`` mirrors the input's path below the inputs' common folder, without its
+suffix (``a/cat.png b/cat.png`` give ``maps/a/cat.*`` and ``maps/b/cat.*``); where two
+inputs would still share a file (``x.png x.jpg``, or one path twice) the later keeps
+its suffix (``x.jpg.*``) or gets a number (``x.png-2.*``). No input's files overwrite
+another's.
 """
 
 from __future__ import annotations
@@ -16,7 +22,15 @@ import sys
 from pathlib import Path
 
 from .attribution import AUTO_LAYER, BASELINES, DEFAULT_LAYER, METHODS, SCORES
-from .cli_args import add_connection_args, add_preprocessing_args, make_client
+from .cli_args import (
+    STREAM_TIMEOUT,
+    add_connection_args,
+    add_preprocessing_args,
+    make_client,
+    relative_stems,
+    unique_names,
+)
+from .overlay import SIGNS
 
 
 def add_attribute_parser(sub) -> None:
@@ -24,9 +38,15 @@ def add_attribute_parser(sub) -> None:
         "attribute", help="saliency maps (Grad-CAM and friends) as overlays and .npy",
         description="Explain a class score of a few images: per image, write "
                     "OUT/<name>.png (the map over the image the model saw) and "
-                    "OUT/<name>.npy (the raw float32 map). See docs/attribution.md.")
+                    "OUT/<name>.npy (the raw float32 map). <name> mirrors the input's "
+                    "path below the inputs' common folder (a/cat.png b/cat.png: OUT/a/cat.*, "
+                    "OUT/b/cat.*); inputs that would still share a name keep their "
+                    "suffix or get a number, so none overwrites another. See "
+                    "docs/attribution.md.")
     s.add_argument("images", nargs="+", help="image files")
-    s.add_argument("--out", required=True, help="folder for the .png and .npy files")
+    s.add_argument("--out", required=True,
+                   help="folder for the .png and .npy files (a name with a suffix, such "
+                        "as maps.png, is refused unless that folder exists)")
     s.add_argument("--method", default="grad_cam", choices=list(METHODS),
                    help="CAM methods explain --layer; the others the input pixels "
                         "(default: %(default)s)")
@@ -55,15 +75,40 @@ def add_attribute_parser(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="smooth_grad: noise seed")
     s.add_argument("--alpha", type=float, default=0.5,
                    help="overlay: weight of the heat map, 0..1 (default: %(default)s)")
+    s.add_argument("--clip", type=float, metavar="PERCENTILE",
+                   help="overlay: the percentile of the map's magnitudes that tops the "
+                        "colour scale, higher values saturate (default: 99 for the "
+                        "input-space methods, 100 for the CAM methods)")
+    s.add_argument("--sign", default="absolute", choices=SIGNS,
+                   help="overlay: absolute values, only the positive or the negative "
+                        "ones, or all with their sign on a blue-grey-red scale "
+                        "(default: %(default)s)")
     add_preprocessing_args(s)
-    add_connection_args(s)
+    add_connection_args(s, timeout_default=STREAM_TIMEOUT,
+                        timeout_help="seconds for the whole call (one stream carries "
+                                     "every image)")
     s.set_defaults(func=_attribute)
 
 
-def _names(images: list[str]) -> list[str]:
-    """Output base names: each file's stem, made unique with its position if needed."""
-    stems = [Path(p).stem or f"image{i}" for i, p in enumerate(images)]
-    return [s if stems.count(s) == 1 else f"{s}-{i}" for i, s in enumerate(stems)]
+def _files(name: str, maps: int) -> list[str]:
+    """The files one input writes under the base name `name`."""
+    pngs = [f"{name}.png"] if maps <= 1 else [f"{name}.{k}.png" for k in range(1, maps + 1)]
+    return [f"{name}.npy", *pngs]
+
+
+def _check(args) -> str | None:
+    """What is wrong with the arguments, before any call (None: nothing)."""
+    if not 0.0 <= args.alpha <= 1.0:
+        return f"--alpha must be in [0, 1], got {args.alpha}"
+    if args.clip is not None and not 0.0 < args.clip <= 100.0:
+        return f"--clip is a percentile in (0, 100], got {args.clip}"
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return f"--out {args.out} is a file: attribute writes a folder of .png and .npy files"
+    if not out.exists() and out.suffix:
+        return (f"--out {args.out} names a file ({out.suffix}): attribute writes a folder "
+                "of .png and .npy files; name a folder (or create this one first)")
+    return None
 
 
 def _attribute(args) -> int:
@@ -71,11 +116,12 @@ def _attribute(args) -> int:
 
     from .overlay import overlay
 
-    if not 0.0 <= args.alpha <= 1.0:
-        print(f"error: --alpha must be in [0, 1], got {args.alpha}", file=sys.stderr)
+    problem = _check(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    names = _names(args.images)
+    maps = max(1, args.top_k)
+    names = unique_names(relative_stems(args.images), lambda n: _files(n, maps))
     failed = 0
     with make_client(args) as c:
         results = c.attribute_many(
@@ -84,19 +130,21 @@ def _attribute(args) -> int:
             relu=args.relu, normalize=args.normalize, upsample=args.upsample,
             steps=args.steps, baseline=args.baseline, samples=args.samples,
             sigma=args.sigma, seed=args.seed, native=args.native, resize=args.resize,
-            crop=args.crop)
+            crop=args.crop, timeout=args.timeout)
         for r, name in zip(results, names, strict=True):
             if not r.ok:
                 failed += 1
                 print(f"{r.id}: {r.error}", file=sys.stderr)
                 continue
             base = os.path.join(args.out, name)
+            os.makedirs(os.path.dirname(base), exist_ok=True)
             np.save(base + ".npy", r.map)
             ranks = range(len(r.targets)) if len(r.targets) > 1 else [None]
             pngs = []
             for k in ranks:
                 png = base + (".png" if k is None else f".{k + 1}.png")
-                overlay(args.images[r.index], r, args.alpha, index=k or 0).save(png)
+                overlay(args.images[r.index], r, args.alpha, index=k or 0, clip=args.clip,
+                        sign=args.sign).save(png)
                 pngs.append(png)
             classes = ",".join(f"{t.target.index} (p={t.target.prob:.3f}"
                                + ("" if t.delta is None else f", delta={t.delta:.4g}") + ")"

@@ -4,6 +4,10 @@ Every call goes through :meth:`Endpoints.call` (unary) or :meth:`Endpoints.strea
 (a generator of results), which pick the next address that is up, and on UNAVAILABLE
 mark it down for a while and try the next one, up to `retries` times. Any other
 failure, or the last UNAVAILABLE, becomes the SDK's typed error.
+
+The asyncio client (:mod:`.aio`) uses the same object with ``aio=True`` (grpc.aio
+channels) and the same policy (:meth:`Endpoints.pick`, :meth:`Endpoints.failed`); only
+its loops await.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
 import grpc.experimental
 
 from . import errors
@@ -32,11 +37,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
-    # Unary-stream calls (ExtractImage) run on the calling thread instead of through
-    # the channel's polling thread: ~0.5 ms a call here against ~3 ms (measured;
-    # docs/performance.md). Read by grpc's Python layer only, never sent to core.
-    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
+#: Sync channels only: unary-stream calls (ExtractImage) run on the calling thread
+#: instead of through the channel's polling thread: ~0.5 ms a call here against ~3 ms
+#: (measured; docs/performance.md). Read by grpc's Python layer only, never sent to core.
+SYNC_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 
 def parse_targets(target: str | Sequence[str]) -> tuple[list[str], bool]:
@@ -67,54 +72,80 @@ def _read(v: bytes | str | os.PathLike | None) -> bytes | None:
 
 
 class Endpoints:
-    """One channel and stub per address, the auth metadata, and the failover policy."""
+    """One channel and stub per address, the auth metadata, and the failover policy.
+
+    `aio`: grpc.aio channels (for :class:`hookserve.aio.Client`). Channels are made on
+    first use, so an asyncio client binds them to the event loop that runs its calls.
+    """
 
     def __init__(self, target: str | Sequence[str], *, token: str | None,
                  root_certificates: bytes | str | os.PathLike | None = None,
                  certificate_chain: bytes | str | os.PathLike | None = None,
                  private_key: bytes | str | os.PathLike | None = None,
                  retries: int = 3, retry_backoff: float = 0.1,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (), aio: bool = False) -> None:
         self.addresses, self.secure = parse_targets(target)
         self.retries = max(0, int(retries))
         self.retry_backoff = retry_backoff
+        self.aio = aio
         #: Sent with every call: ``authorization: Bearer ...`` when a token is set.
         self.metadata = (("authorization", f"Bearer {token.strip()}"),) if token else ()
-        opts = list(CHANNEL_OPTIONS) + list(options)
-        creds = None
+        self._options = list(CHANNEL_OPTIONS) + ([] if aio else SYNC_OPTIONS) + list(options)
+        self._creds = None
         if self.secure or root_certificates or certificate_chain:
             self.secure = True
-            creds = grpc.ssl_channel_credentials(
+            self._creds = grpc.ssl_channel_credentials(
                 root_certificates=_read(root_certificates),
                 private_key=_read(private_key), certificate_chain=_read(certificate_chain))
-        self.channels: list[grpc.Channel] = []
-        for addr in self.addresses:
-            o = list(opts)
-            # Names that resolve to several addresses (a headless Service via dns:///,
-            # or gRPC's static ipv4:a:p,b:p list) balance per call over all of them.
-            if addr.startswith(("dns:", "ipv4:", "ipv6:")):
-                o.append(("grpc.lb_policy_name", "round_robin"))
-            ch = (grpc.secure_channel(addr, creds, options=o) if creds
-                  else grpc.insecure_channel(addr, options=o))
-            self.channels.append(ch)
-        self.stubs = [pb_grpc.FeatureExtractorStub(c) for c in self.channels]
-        self._rr = itertools.count(random.randrange(len(self.stubs)))
+        self._channels: list[Any] | None = None
+        self._stubs: list[pb_grpc.FeatureExtractorStub] = []
+        self._rr = itertools.count(random.randrange(len(self.addresses)))
         #: monotonic time until which an address that answered UNAVAILABLE is skipped
-        self._down_until = [0.0] * len(self.stubs)
+        self._down_until = [0.0] * len(self.addresses)
         self._lock = threading.Lock()
         self.closed = False
 
-    def close(self) -> None:
-        self.closed = True
-        for ch in self.channels:
-            ch.close()
-
-    def pick(self) -> int:
-        """Next address round-robin, skipping those recently found UNAVAILABLE."""
+    def _connect(self) -> list[Any]:
         if self.closed:
             raise ValueError("client is closed")
         with self._lock:
-            n = len(self.stubs)
+            if self._channels is None:
+                lib = grpc.aio if self.aio else grpc
+                channels = []
+                for addr in self.addresses:
+                    o = list(self._options)
+                    # Names that resolve to several addresses (a headless Service via
+                    # dns:///, or gRPC's static ipv4:a:p,b:p list) balance per call
+                    # over all of them.
+                    if addr.startswith(("dns:", "ipv4:", "ipv6:")):
+                        o.append(("grpc.lb_policy_name", "round_robin"))
+                    channels.append(lib.secure_channel(addr, self._creds, options=o)
+                                    if self._creds else lib.insecure_channel(addr, options=o))
+                self._stubs = [pb_grpc.FeatureExtractorStub(c) for c in channels]
+                self._channels = channels
+            return self._channels
+
+    @property
+    def channels(self) -> list[Any]:
+        """One channel per address (grpc.aio channels when `aio`)."""
+        return self._connect()
+
+    @property
+    def stubs(self) -> list[pb_grpc.FeatureExtractorStub]:
+        self._connect()
+        return self._stubs
+
+    def close(self) -> list[Any]:
+        """Close every sync channel; returns the aio channels' close() awaitables."""
+        self.closed = True
+        channels, self._channels = self._channels or [], None
+        return [ch.close() for ch in channels]
+
+    def pick(self) -> int:
+        """Next address round-robin, skipping those recently found UNAVAILABLE."""
+        self._connect()
+        with self._lock:
+            n = len(self.addresses)
             now = time.monotonic()
             for _ in range(n):
                 i = next(self._rr) % n
@@ -125,10 +156,10 @@ class Endpoints:
     def _delay(self, attempt: int) -> float:
         return min(5.0, self.retry_backoff * (2 ** attempt)) * (0.5 + random.random() / 2)
 
-    def _failed(self, exc: grpc.RpcError, index: int, attempt: int) -> None:
-        """After a failed call on address `index`: return to retry it elsewhere, or
-        raise the typed error. On UNAVAILABLE the address is skipped for a while (at
-        least 1 s); before a retry, the backoff is slept only when no other is up."""
+    def failed(self, exc: grpc.RpcError, index: int, attempt: int) -> float:
+        """After a failed call on address `index`: raise the typed error, or return the
+        seconds to wait before retrying elsewhere. On UNAVAILABLE the address is skipped
+        for a while (at least 1 s); the wait is the backoff only when no other is up."""
         if exc.code() not in RETRYABLE:
             raise errors.from_rpc_error(exc) from None
         retry = attempt < self.retries
@@ -139,8 +170,7 @@ class Endpoints:
             others_up = any(t <= now for i, t in enumerate(self._down_until) if i != index)
         if not retry:
             raise errors.from_rpc_error(exc) from None
-        if not others_up:
-            time.sleep(delay)
+        return 0.0 if others_up else delay
 
     def call(self, fn: Callable[[pb_grpc.FeatureExtractorStub], T]) -> T:
         """``fn(stub)`` on the next address, moved to another one on UNAVAILABLE."""
@@ -149,7 +179,7 @@ class Endpoints:
             try:
                 return fn(self.stubs[index])
             except grpc.RpcError as exc:
-                self._failed(exc, index, attempt)
+                time.sleep(self.failed(exc, index, attempt))
         raise AssertionError("unreachable")
 
     def stream(self, fn: Callable[[pb_grpc.FeatureExtractorStub], Iterator[T]]
@@ -162,4 +192,4 @@ class Endpoints:
                 yield from fn(self.stubs[index])
                 return
             except grpc.RpcError as exc:
-                self._failed(exc, index, attempt)
+                time.sleep(self.failed(exc, index, attempt))

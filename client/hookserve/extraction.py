@@ -2,10 +2,16 @@
 
 Data flow: the caller's images are pulled lazily (at most `window` sent and not yet
 answered), turned into wire Images (:mod:`.images`), and put on a request queue that
-gRPC's sender thread drains. The calling thread reads the answers: tensor chunks are
+gRPC's sender drains. The caller's side reads the answers: tensor chunks are
 reassembled (:mod:`.tensors`) until the image's status message ends it, and results
-are yielded in input order. If the server goes UNAVAILABLE, :class:`~.endpoints.Endpoints`
-opens the stream again on another address and the unanswered images are re-sent.
+are yielded in input order. If the server goes UNAVAILABLE,
+:class:`~.endpoints.Endpoints` opens the stream again on another address and the
+unanswered images are re-sent.
+
+The exchange itself is written once, without I/O: :meth:`Extraction.steps` is a
+generator that asks its driver to pull an image, send a request, half-close, read an
+answer or hand a result out. :meth:`Extraction._stream` drives it with blocking calls
+(the sync client); :mod:`.aio` drives the same steps with awaits.
 
 The Attribute stream (:mod:`.attribution`) is the same machinery: it subclasses
 :class:`Extraction` and overrides only the hooks that name the RPC, wrap the spec
@@ -17,7 +23,7 @@ from __future__ import annotations
 import collections
 import queue
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +36,15 @@ from .tensors import Collected
 from .types import Result
 from .v1 import hookserve_pb2 as pb
 from .v1 import hookserve_pb2_grpc as pb_grpc
+
+#: What :meth:`Extraction.steps` asks of its driver, as ``(op, argument)``: PULL the
+#: next image (reply: the next :class:`_Pending`, None once the images ran out); SEND a
+#: request (put it on the call's request queue; :data:`END` half-closes); READ the next
+#: answer (reply: the message, None once the call ended); EMIT a result to the caller.
+PULL, SEND, READ, EMIT = "pull", "send", "read", "emit"
+#: The request queue's end: the request stream is closed when the sender reaches it.
+END = object()
+Step = Generator["tuple[str, Any]", Any, None]
 
 
 @dataclass
@@ -45,11 +60,16 @@ class _Pending:
 class Extraction:
     """Owns the stream(s) of one extract_many call, the window and the order."""
 
+    #: The RPC, a method of the FeatureExtractor stub.
+    rpc = "Extract"
+
     def __init__(self, endpoints: Endpoints, spec: pb.ExtractionSpec, images: Iterable[Any],
                  ids: Iterable[str] | None, window: int, deadline: float | None) -> None:
         self.endpoints = endpoints
+        #: the caller's images: an iterable (an async iterable too, for :mod:`.aio`)
+        self.images = images
+        self.source: Iterator[Any] | None = None
         self.spec = spec
-        self.source = iter(images)
         self.ids = iter(ids) if ids is not None else None
         self.window = window
         self.deadline = deadline
@@ -60,11 +80,11 @@ class Extraction:
     def run(self) -> Iterator[Any]:
         return self.endpoints.stream(self._stream)
 
-    # -- what differs between RPCs (overridden by attribution.AttributionRun) ----------
-    def _open(self, stub: pb_grpc.FeatureExtractorStub, requests: Iterator[Any],
-              timeout: float | None) -> Any:
-        return stub.Extract(requests, timeout=timeout, metadata=self.endpoints.metadata)
+    def time_left(self) -> float | None:
+        """Seconds to the deadline (the timeout of the next call), None: no limit."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
+    # -- what differs between RPCs (overridden by attribution.AttributionRun) ----------
     def _spec_request(self) -> Any:
         return pb.ExtractRequest(spec=self.spec)
 
@@ -90,12 +110,9 @@ class Extraction:
             return Result(p.index, p.id, error=error)
         return Result(p.index, p.id, features=self._got.features, columns=self._got.columns)
 
-    def _pull(self) -> _Pending | None:
-        try:
-            obj = next(self.source)
-        except StopIteration:
-            self.exhausted = True
-            return None
+    def admit(self, obj: Any) -> _Pending:
+        """The next image of the caller's: its id, and its wire form (or the local
+        error that keeps it from being sent)."""
         index = self.next_index
         self.next_index += 1
         if self.ids is not None:
@@ -113,92 +130,137 @@ class Extraction:
             return _Pending(index, image_id, None,
                             errors.InvalidArgument(f"could not read image {image_id!r}: {exc}"))
 
-    def _stream(self, stub: pb_grpc.FeatureExtractorStub) -> Iterator[Result]:
-        requests: queue.SimpleQueue = queue.SimpleQueue()
-        _END = object()
+    def pull(self) -> _Pending | None:
+        """The next image admitted from a (sync) iterable, None once it ran out."""
+        if self.source is None:
+            self.source = iter(self.images)
+        for obj in self.source:
+            return self.admit(obj)
+        return None
 
-        def gen():
-            while True:
-                item = requests.get()
-                if item is _END:
-                    return
-                yield item
-
-        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-        call = self._open(stub, gen(), timeout)
-        requests.put(self._spec_request())
+    # -- the exchange, without I/O -----------------------------------------------------
+    def steps(self) -> Step:
+        """One stream's exchange: spec, re-sent and new images within the window, then
+        answers in order. Yields ``(op, arg)``; see :data:`PULL` and the others."""
+        yield SEND, self._spec_request()
         sent = 0
         for p in self.pending:  # re-send what the last stream left unanswered
             if p.image is not None:
-                requests.put(self._image_request(p))
+                yield SEND, self._image_request(p)
                 sent += 1
-        try:
-            responses = iter(call)
-            self._reset()
-            closed = False
-            while True:
-                while not self.exhausted and sent < self.window:
-                    p = self._pull()
-                    if p is None:
-                        break
-                    self.pending.append(p)
-                    if p.image is not None:
-                        requests.put(self._image_request(p))
-                        sent += 1
-                if self.exhausted and not closed:
-                    # Half-close once the last image is sent: the server can end the
-                    # call with its last answer, not one round trip after it.
-                    requests.put(_END)
-                    closed = True
-                while self.pending and self.pending[0].image is None:
-                    p = self.pending.popleft()
-                    yield self._result(p, p.error)
-                if not self.pending:
-                    if self.exhausted:
-                        if not closed:
-                            requests.put(_END)
-                            closed = True
-                        for _ in responses:  # drain to the end of the call
-                            pass
-                        return
-                    continue
-                msg = next(responses, None)
-                if msg is None:
-                    raise errors.Internal(
-                        "server ended the stream before answering every image")
-                status = self._absorb(msg)
-                if status is None:
-                    continue
+        self._reset()
+        closed = False
+        while True:
+            while not self.exhausted and sent < self.window:
+                p = yield PULL, None
+                if p is None:
+                    self.exhausted = True
+                    break
+                self.pending.append(p)
+                if p.image is not None:
+                    yield SEND, self._image_request(p)
+                    sent += 1
+            if self.exhausted and not closed:
+                # Half-close once the last image is sent: the server can end the call
+                # with its last answer, not one round trip after it.
+                yield SEND, END
+                closed = True
+            while self.pending and self.pending[0].image is None:
                 p = self.pending.popleft()
-                sent -= 1
-                result = self._result(p, errors.from_status(status) if status.code else None)
-                self._reset()
-                yield result
+                yield EMIT, self._result(p, p.error)
+            if not self.pending:
+                if self.exhausted:
+                    while (yield READ, None) is not None:  # drain to the end of the call
+                        pass
+                    return
+                continue
+            msg = yield READ, None
+            if msg is None:
+                raise errors.Internal("server ended the stream before answering every image")
+            status = self._absorb(msg)
+            if status is None:
+                continue
+            p = self.pending.popleft()
+            sent -= 1
+            result = self._result(p, errors.from_status(status) if status.code else None)
+            self._reset()
+            yield EMIT, result
+
+    def _stream(self, stub: pb_grpc.FeatureExtractorStub) -> Iterator[Any]:
+        """Drive :meth:`steps` on one call with blocking I/O: a queue feeds gRPC's
+        sender thread, the calling thread pulls images and reads answers."""
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+
+        def gen():
+            while (item := requests.get()) is not END:
+                yield item
+
+        call = getattr(stub, self.rpc)(gen(), timeout=self.time_left(),
+                                       metadata=self.endpoints.metadata)
+        responses = iter(call)
+        steps = self.steps()
+        try:
+            reply = None
+            while (step := advance(steps, reply)) is not None:
+                op, arg = step
+                reply = None
+                if op is SEND:
+                    requests.put(arg)
+                elif op is PULL:
+                    reply = self.pull()
+                elif op is READ:
+                    reply = next(responses, None)
+                else:
+                    yield arg
         finally:
-            requests.put(_END)
+            requests.put(END)
             call.cancel()
 
 
-def extract_image(endpoints: Endpoints, spec: pb.ExtractionSpec, image: Any,
-                  timeout: float | None) -> dict[str, np.ndarray]:
+def advance(steps: Step, reply: Any) -> tuple[str, Any] | None:
+    """The next ``(op, arg)`` of `steps` after sending it `reply`; None once it ended."""
+    try:
+        return steps.send(reply)
+    except StopIteration:
+        return None
+
+
+class ImageCall:
     """One image on the ExtractImage RPC: one request, its tensors back, the call's
     status as the image's. Moved to another address on UNAVAILABLE like a unary call
-    (nothing of the answer is kept from a failed attempt). Raises the typed error."""
-    try:
-        request = pb.ExtractImageRequest(spec=spec, image=to_image(image, ""))
-    except (OSError, TypeError, ValueError) as exc:
-        raise errors.InvalidArgument(
-            f"could not read image {default_id(image, 0)!r}: {exc}") from None
-    deadline = None if timeout is None else time.monotonic() + timeout
+    (nothing of the answer is kept from a failed attempt). Calling it runs one attempt
+    with blocking I/O (``endpoints.call(one)``); the asyncio client iterates
+    :meth:`open`'s answer with ``async for``, each message to :meth:`take`, then
+    :meth:`features`."""
 
-    def call(stub: pb_grpc.FeatureExtractorStub) -> dict[str, np.ndarray]:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        got = Collected()
-        for msg in stub.ExtractImage(request, timeout=left, metadata=endpoints.metadata):
-            if msg.WhichOneof("payload") == "tensor":
-                got.add(msg.tensor)
-        if not got.complete or not got.features:
+    def __init__(self, endpoints: Endpoints, spec: pb.ExtractionSpec, image: Any,
+                 timeout: float | None) -> None:
+        try:
+            self.request = pb.ExtractImageRequest(spec=spec, image=to_image(image, ""))
+        except (OSError, TypeError, ValueError) as exc:
+            raise errors.InvalidArgument(
+                f"could not read image {default_id(image, 0)!r}: {exc}") from None
+        self.endpoints = endpoints
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self._got = Collected()
+
+    def open(self, stub: pb_grpc.FeatureExtractorStub) -> Any:
+        """Start one attempt on `stub`: its answer messages, to iterate."""
+        self._got = Collected()
+        left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        return stub.ExtractImage(self.request, timeout=left, metadata=self.endpoints.metadata)
+
+    def take(self, msg: pb.ExtractResponse) -> None:
+        if msg.WhichOneof("payload") == "tensor":
+            self._got.add(msg.tensor)
+
+    def features(self) -> dict[str, np.ndarray]:
+        """The answer once the call ended OK."""
+        if not self._got.complete or not self._got.features:
             raise errors.Internal("the server ended ExtractImage before the whole answer")
-        return got.features
+        return self._got.features
 
-    return endpoints.call(call)
+    def __call__(self, stub: pb_grpc.FeatureExtractorStub) -> dict[str, np.ndarray]:
+        for msg in self.open(stub):
+            self.take(msg)
+        return self.features()

@@ -23,12 +23,16 @@ def bfloat16_to_float32(a: np.ndarray) -> np.ndarray:
 
 
 class TensorAssembler:
-    """Collects the chunks of one tensor into one buffer, copying each chunk once.
+    """Collects the chunks of one tensor into one writable buffer, copying each chunk once.
 
-    A tensor that arrives in a single chunk is wrapped without any copy.
+    The array wraps that buffer (a ``bytearray``) without a further copy, so it is
+    writable and owns its memory like any array the caller made: ``a -= a.mean()``
+    works in place. A message's bytes are immutable, so even a tensor that arrives in
+    a single chunk is copied once: about 0.07 ms per MB, under 0.1% of an ExtractImage
+    call (bench/array_copy.py).
     """
 
-    __slots__ = ("layer", "dtype", "shape", "total", "_buf", "_single", "_got")
+    __slots__ = ("layer", "dtype", "shape", "total", "_buf", "_got")
 
     def __init__(self, chunk: pb.TensorChunk) -> None:
         self.layer = chunk.layer
@@ -43,7 +47,6 @@ class TensorAssembler:
                 f"layer {self.layer}: shape {self.shape} needs {expected} bytes, "
                 f"header says {self.total}")
         self._buf: bytearray | None = None
-        self._single: bytes | None = None
         self._got = 0
 
     def add(self, chunk: pb.TensorChunk) -> None:
@@ -52,7 +55,7 @@ class TensorAssembler:
         if end > self.total:
             raise ValueError(f"layer {self.layer}: chunk past the end of the tensor")
         if chunk.offset == 0 and len(data) == self.total:
-            self._single = data
+            self._buf = bytearray(data)  # the whole tensor: one copy, no zero-fill
         else:
             if self._buf is None:
                 self._buf = bytearray(self.total)
@@ -67,9 +70,8 @@ class TensorAssembler:
         if self._got != self.total:
             raise ValueError(
                 f"layer {self.layer}: got {self._got} of {self.total} bytes")
-        src = self._single if self._single is not None else (self._buf or bytearray())
-        arr = np.frombuffer(src, dtype=self.dtype).reshape(self.shape)
-        return arr
+        buf = self._buf if self._buf is not None else bytearray()
+        return np.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
 
 
 class Collected:

@@ -16,6 +16,9 @@ from . import errors
 from .tensors import DTYPE_NAMES
 from .v1 import hookserve_pb2 as pb
 
+#: A size as the SDK and the CLI take it: "480x640" (HxW), "224" or 224 (a square), (h, w).
+Size = int | str | tuple[int, int]
+
 #: Reduction name -> wire enum, in the order the CLI lists them.
 REDUCTIONS = {
     "none": pb.REDUCTION_NONE, "avg": pb.REDUCTION_AVG_POOL, "max": pb.REDUCTION_MAX_POOL,
@@ -55,7 +58,9 @@ class Result:
     index: int
     #: The image's id (its path, or its position as a string, unless ids were given).
     id: str
-    #: Layer name -> array (read-only when it arrived in one chunk), or None on error.
+    #: Layer name -> array, or None on error. Each array is writable and owns its
+    #: memory: the tensor's bytes are copied once out of the received message(s) into a
+    #: buffer the array wraps, with no further copy.
     features: dict[str, np.ndarray] | None = None
     #: The typed error when this image failed; the iteration goes on regardless.
     error: errors.HookserveError | None = None
@@ -178,24 +183,71 @@ def build_layers(layers: str | Layer | Sequence[str | Layer] | Mapping[str, Any]
     return out
 
 
-def build_preprocessing(*, native: bool = False, resize: int | None = None,
-                        crop: int | tuple[int, int] | None = None) -> pb.Preprocessing:
-    """Default transforms, `native` resolution, or a custom resize and/or centre crop."""
+def parse_size(value: Any, what: str = "size") -> tuple[int, int]:
+    """A size as the CLI takes it -> (height, width): ``"480x640"``, ``"224"`` or ``224``
+    (a square), or a pair ``(480, 640)``. Raises ValueError saying what is accepted."""
+    hint = f"{what} must be HxW such as '480x640', one number for a square, or (h, w)"
+    if isinstance(value, str):
+        h, sep, w = value.strip().lower().partition("x")
+        try:
+            size = (int(h), int(w if sep else h))
+        except ValueError:
+            raise ValueError(f"{hint}; got {value!r}") from None
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        size = (int(value), int(value))
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+        size = (int(value[0]), int(value[1]))
+    else:
+        raise ValueError(f"{hint}; got {value!r}")
+    if min(size) <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return size
+
+
+def parse_side(value: Any, what: str = "resize") -> int | None:
+    """A resize target (the shorter side) -> int, or None for none: an int or a numeric
+    string such as ``"256"``; 0 and None mean no resize."""
+    if value is None:
+        return None
+    try:
+        side = int(value) if not isinstance(value, (bool, float)) else None
+    except (TypeError, ValueError):
+        side = None
+    if side is None or side < 0:
+        raise ValueError(f"{what} must be a number of pixels (the shorter side), got {value!r}")
+    return side or None
+
+
+def build_preprocessing(*, native: bool = False, resize: int | str | None = None,
+                        crop: Size | None = None) -> pb.Preprocessing:
+    """Default transforms, `native` resolution, or a custom resize and/or centre crop.
+
+    `crop` takes what the CLI's ``--crop`` takes ("288x288", "224", 224, (h, w));
+    `resize` the shorter side (an int or a numeric string)."""
+    side = parse_side(resize)
     if native:
-        if resize or crop:
+        if side or crop:
             raise ValueError("native takes no resize or crop")
         return pb.Preprocessing(mode=pb.Preprocessing.MODE_NATIVE)
-    if resize is None and crop is None:
+    if side is None and crop is None:
         return pb.Preprocessing(mode=pb.Preprocessing.MODE_DEFAULT)
-    ch, cw = (crop, crop) if isinstance(crop, int) else (crop or (0, 0))
-    return pb.Preprocessing(mode=pb.Preprocessing.MODE_RESIZE_CROP, resize=resize or 0,
+    ch, cw = parse_size(crop, "crop") if crop is not None else (0, 0)
+    return pb.Preprocessing(mode=pb.Preprocessing.MODE_RESIZE_CROP, resize=side or 0,
                             crop_height=ch, crop_width=cw)
+
+
+def describe_request(model: str | None, size: Size | None) -> pb.DescribeModelRequest:
+    """DescribeModel's request: `size` as :func:`parse_size` takes it (None: the model's
+    default input size)."""
+    h, w = parse_size(size) if size is not None else (0, 0)
+    return pb.DescribeModelRequest(model=model or "", input_height=h, input_width=w)
 
 
 def build_spec(layers: Any, model: str | None, *, reduction: str = "none",
                dtype: str = "float32", l2_normalize: bool = False, native: bool = False,
-               resize: int | None = None,
-               crop: int | tuple[int, int] | None = None) -> pb.ExtractionSpec:
+               resize: int | str | None = None,
+               crop: Size | None = None) -> pb.ExtractionSpec:
     """The wire ExtractionSpec of one extract_many call (raises ValueError on bad options)."""
     return pb.ExtractionSpec(
         model=model or "",

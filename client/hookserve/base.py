@@ -1,0 +1,233 @@
+"""What :class:`hookserve.Client` and :class:`hookserve.aio.Client` share: the
+connection options, how each call's request is built, and the stream runs.
+
+A subclass supplies the I/O: ``_drive(run)`` turns an :class:`~.extraction.Extraction`
+(or :class:`~.attribution.AttributionRun`) into the iterator its callers get (a
+generator for the sync client, an async generator for the asyncio one). The specs,
+the checks of every option, the answer decoding, the error mapping and the failover
+policy are the same objects for both.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grpc
+
+from . import errors
+from .attribution import (
+    AUTO_LAYER,
+    AttributionRun,
+    Geometry,
+    build_attribution_spec,
+    request_geometry,
+)
+from .endpoints import Endpoints
+from .extraction import Extraction, ImageCall
+from .types import ModelInfo, Size, build_spec
+from .v1 import hookserve_pb2 as pb
+
+_HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def health_request(service: str) -> bytes:
+    """grpc.health.v1.HealthCheckRequest, encoded by hand (the SDK needs no extra
+    package for two tiny messages)."""
+    svc = service.encode()
+    return (b"\x0a" + _varint(len(svc)) + svc) if svc else b""
+
+
+def health_status(raw: bytes) -> str:
+    """A HealthCheckResponse's status: "SERVING", "NOT_SERVING", ..."""
+    status = raw[1] if len(raw) >= 2 and raw[0] == 0x08 else 0
+    return _HEALTH_NAMES.get(status, f"UNKNOWN({status})")
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    """The monotonic deadline `timeout` seconds from now (None: none)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+class ClientBase:
+    """A connection to one or more hookserve servers.
+
+    Args:
+        target: ``host:port``; ``grpcs://host:port`` for TLS; ``dns:///name:port`` to
+            balance round-robin over every address the name resolves to; or several
+            addresses (a list, or comma-separated), used round-robin with failover.
+        timeout: seconds allowed for each unary call (list_models, describe, health)
+            and each one-image call (extract, attribute). None: no limit.
+        token: bearer token sent as ``authorization: Bearer ...``; defaults to the
+            ``HOOKSERVE_TOKEN`` environment variable.
+        root_certificates, certificate_chain, private_key: PEM bytes or file paths for
+            TLS (CA to trust; client certificate and key for mutual TLS).
+        max_in_flight: images sent but not yet answered per stream.
+        retries: how many times a call that fails with UNAVAILABLE is moved to another
+            address (streams re-send only their unanswered images). An address that
+            answered UNAVAILABLE is skipped for a while (at least 1 s) while others are up.
+        retry_backoff: first backoff in seconds, slept when no other address is up; it
+            doubles per retry, capped at 5 s.
+        options: extra gRPC channel options, ``[(name, value), ...]``.
+    """
+
+    _aio = False
+
+    def __init__(self, target: str | Sequence[str], *, timeout: float | None = 60.0,
+                 token: str | None = None,
+                 root_certificates: bytes | str | os.PathLike | None = None,
+                 certificate_chain: bytes | str | os.PathLike | None = None,
+                 private_key: bytes | str | os.PathLike | None = None,
+                 max_in_flight: int = 32, retries: int = 3, retry_backoff: float = 0.1,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        token = token if token is not None else os.environ.get("HOOKSERVE_TOKEN")
+        self._endpoints = Endpoints(
+            target, token=token, root_certificates=root_certificates,
+            certificate_chain=certificate_chain, private_key=private_key,
+            retries=retries, retry_backoff=retry_backoff, options=options, aio=self._aio)
+        self.addresses = self._endpoints.addresses
+        self.secure = self._endpoints.secure
+        self.timeout = timeout
+        self.max_in_flight = max(1, int(max_in_flight))
+        self.retries = self._endpoints.retries
+        self.retry_backoff = retry_backoff
+        #: model name ("" = the default) -> its default preprocessing geometry
+        self._geometries: dict[str, Geometry] | None = None
+        #: False once a server answered UNIMPLEMENTED to ExtractImage (it predates it)
+        self._image_rpc = True
+
+    def _drive(self, run: Extraction) -> Any:
+        """The iterator of results the caller gets for `run` (a subclass's I/O)."""
+        raise NotImplementedError
+
+    # -- streams -----------------------------------------------------------------------
+    def extract_many(self, images: Iterable[Any], layers: Any, model: str | None = None, *,
+                     ids: Iterable[str] | None = None, reduction: str = "none",
+                     dtype: str = "float32", l2_normalize: bool = False,
+                     native: bool = False, resize: int | str | None = None,
+                     crop: Size | None = None, max_in_flight: int | None = None,
+                     timeout: float | None = None, _deadline: float | None = None) -> Any:
+        """Stream images through one call; yield one :class:`Result` per image, in order.
+
+        `images` is consumed lazily, with at most `max_in_flight` images sent and not
+        yet answered. A failed image yields a Result with `.error` set and the
+        iteration goes on; a failure of the whole call (bad spec, unknown model or
+        layer, auth, `timeout`) raises the typed error. If the server becomes
+        UNAVAILABLE mid-stream, the unanswered images are re-sent to another address
+        (up to `retries` times), so none is lost or answered twice.
+
+        The stream reads ahead: it sends up to `max_in_flight` images before it reads
+        the first answer, so with a slow lazy source the first result comes once that
+        many images were produced (or the source ended).
+
+        `ids` (one per image, unique) are sent to the server and become `Result.id`;
+        without them `Result.id` is the path (or the position) and the wire carries the
+        position only, so the same path may appear twice.
+
+        Layers take `reduction` (none|avg|max|flatten|stats; stats is ``[C, 5]`` per
+        channel: mean, std, min, max, zero fraction, see ``Result.columns``), `dtype`
+        (float32|float16|bfloat16) and `l2_normalize` unless set per layer.
+        Preprocessing is the model's default unless `native=True` or `resize`/`crop`
+        (the shorter side, and a centre crop given as the CLI takes it: ``"288x288"``,
+        ``"224"``, ``224`` or ``(288, 288)``).
+
+        `timeout`: seconds for the whole stream, re-sends included (None: no limit;
+        the client's `timeout` is for single calls).
+        """
+        spec = build_spec(layers, model, reduction=reduction, dtype=dtype,
+                          l2_normalize=l2_normalize, native=native, resize=resize, crop=crop)
+        window = max(1, int(max_in_flight or self.max_in_flight))
+        deadline = _deadline if _deadline is not None else deadline_of(timeout)
+        return self._drive(Extraction(self._endpoints, spec, images, ids, window, deadline))
+
+    def attribute_many(self, images: Iterable[Any], layer: str | None = AUTO_LAYER,
+                       method: str = "grad_cam", model: str | None = None, *,
+                       targets: Iterable[int | None] | None = None,
+                       ids: Iterable[str] | None = None, score: str = "logit",
+                       top_k: int = 0, relu: bool | None = None, normalize: bool = False,
+                       upsample: bool = False, steps: int = 0, baseline: str = "zeros",
+                       samples: int = 0, sigma: float = 0.0, seed: int = 0,
+                       native: bool = False, resize: int | str | None = None,
+                       crop: Size | None = None, max_in_flight: int | None = None,
+                       timeout: float | None = None, _deadline: float | None = None) -> Any:
+        """Saliency maps of many images on one Attribute stream, one
+        :class:`~hookserve.Attribution` per image, in order; lazy, windowed, with
+        per-image errors, failover and `timeout` exactly as :meth:`extract_many`.
+
+        - `targets`: one class index (or None: the predicted class) per image.
+        - `score`: "logit" (default) or "softmax", the class score explained.
+        - `top_k`: maps for the k most likely classes (images must not set a target).
+        - Post-processing, each off unless asked: `relu` (None: on for the CAM methods),
+          `normalize` (min-max to [0, 1]), `upsample` (CAM maps to the input size).
+        - Integrated Gradients: `steps` (0: 32), `baseline` "zeros" or "black".
+        - SmoothGrad: `samples` (0: 16), `sigma` (0: 0.15 of the input's range), `seed`.
+        - Preprocessing as in :meth:`extract_many` (`native`, `resize`, `crop`).
+
+        The server refuses a request costing more forward-equivalents per image than
+        its ``--max-attribution-cost`` (see docs/attribution.md).
+        """
+        spec = build_attribution_spec(
+            layer, method, model, score=score, top_k=top_k, relu=relu, normalize=normalize,
+            upsample=upsample, steps=steps, baseline=baseline, samples=samples, sigma=sigma,
+            seed=seed, native=native, resize=resize, crop=crop)
+        geometry = request_geometry(native, resize, crop)
+        window = max(1, int(max_in_flight or self.max_in_flight))
+        deadline = _deadline if _deadline is not None else deadline_of(timeout)
+        run = AttributionRun(
+            self._endpoints, spec, images, ids, targets, window, deadline,
+            (lambda: geometry) if geometry is not None
+            else (lambda: self._default_geometry(model or "")))
+        run.default_geometry = geometry is None
+        return self._drive(run)
+
+    # -- pieces of the one-shot calls -------------------------------------------------
+    def _health_check(self) -> Any:
+        """grpc.health.v1 Check on the first address, as raw bytes both ways."""
+        return self._endpoints.channels[0].unary_unary(
+            HEALTH_CHECK, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+    def _image_call(self, image: Any, layers: Any, model: str | None,
+                    options: dict[str, Any]) -> ImageCall | None:
+        """One image's ExtractImage call; None once a server answered that it has no
+        such RPC (it predates it: the one-image calls use a stream from then on)."""
+        if not self._image_rpc:
+            return None
+        return ImageCall(self._endpoints, build_spec(layers, model, **options), image,
+                         self.timeout)
+
+    def _without_image_rpc(self, exc: errors.HookserveError) -> None:
+        """After ExtractImage failed: re-raise, unless the server lacks the RPC."""
+        if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+            raise exc
+        self._image_rpc = False
+
+    # -- the models and their default preprocessing, for overlays ----------------------
+    def _models_of(self, response: pb.ListModelsResponse) -> list[ModelInfo]:
+        infos = [ModelInfo.from_proto(m) for m in response.models]
+        self._remember_models(infos)
+        return infos
+
+    def _remember_models(self, infos: list[ModelInfo]) -> None:
+        self._geometries = {m.name: (m.resize, m.crop) for m in infos}
+        if infos:
+            self._geometries[""] = self._geometries[infos[0].name]
+
+    def _default_geometry(self, model: str) -> Geometry | None:
+        """A model's default (resize, crop), from one ListModels per Client (the
+        asyncio client lists the models before such a stream starts)."""
+        if self._geometries is None:
+            self._remember_models(self.list_models())  # type: ignore[attr-defined]
+        assert self._geometries is not None
+        return self._geometries.get(model)
