@@ -108,9 +108,9 @@ def exposure_warning(opts: ServerOptions) -> str | None:
     """The warning for a server anyone on the network can call, or None."""
     if opts.auth_token or opts.tls_cert or is_loopback(opts.host):
         return None
-    return (f"listening on {opts.host} (beyond this machine) with neither "
+    return (f"listening on {opts.host}, beyond this machine, with neither "
             "--auth-token-file nor TLS: anyone who can reach this port can use the "
-            "server. Set --auth-token-file (and --tls-cert/--tls-key), or --host "
+            "server. Set --auth-token-file and/or --tls-cert and --tls-key, or --host "
             "127.0.0.1 to take calls from this machine only")
 
 
