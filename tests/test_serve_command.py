@@ -220,3 +220,21 @@ def test_serve_process_logs_the_random_weights_warning_readably(fmt, tmp_path):
         assert "WARNING" in lines[i] and "\\n" not in lines[i]
         assert "ERROR" in lines[-1] and "cannot start: warm-up failed" in lines[-1]
         assert not any(line.startswith("{") for line in lines)
+
+
+def test_every_start_up_error_becomes_one_line():
+    from hookserve_server.command import startup_error
+    from hookserve_server.errors import ConfigError, ResourceExhausted
+
+    assert startup_error(ImportError("x", name="grpc_health")) == (
+        "hookserve serve needs the server extra (grpc_health is missing): "
+        "pip install 'hookserve[server]'")
+    # our own import failing is a fault of ours, not a missing extra
+    assert "server extra" not in startup_error(ImportError("x", name="hookserve_server.x"))
+    assert startup_error(ConfigError("bad\nflag")) == "cannot start: bad flag"
+    assert startup_error(ResourceExhausted("too big")) == "cannot start: warm-up failed: too big"
+    assert startup_error(PermissionError(13, "Permission denied", "/w.pth")) == (
+        "cannot start: Permission denied (/w.pth)")
+    line = startup_error(RuntimeError("boom\n" + "x" * 1000))
+    assert line.startswith("cannot start: RuntimeError: boom x") and "\n" not in line
+    assert line.endswith("(--log-level DEBUG logs the traceback)") and len(line) < 400

@@ -76,8 +76,9 @@ def startup_error(exc: BaseException) -> str:
         text = f"warm-up failed: {exc.message}"
     elif isinstance(exc, OSError):
         text = str(exc) if not exc.strerror else f"{exc.strerror} ({exc.filename or exc})"
-    else:
-        text = (f"{type(exc).__name__}: {exc} (--log-level DEBUG logs the traceback)")
+    else:  # unforeseen: its first 300 characters, and where the rest is
+        detail = " ".join(str(exc).split())[:300]
+        text = f"{type(exc).__name__}: {detail} (--log-level DEBUG logs the traceback)"
     return "cannot start: " + " ".join(text.split())
 
 
