@@ -6,6 +6,8 @@
 #   docker run --rm -p 50051:50051 -v $PWD/w:/weights:ro hookserve \
 #       --model resnet18 --weights /weights/resnet18.pth
 #   docker run --rm --gpus all -p 50051:50051 hookserve           # same image on a GPU
+#   docker build -t hookserve-batch --build-arg EXTRAS=batch,s3 --build-arg TORCH_SPEC= .
+#                                  # no torch: `hookserve batch` to/from S3 (the k8s Job)
 #
 # Written for Docker's legacy builder too (no BuildKit, so no RUN --mount).
 # Offline builds: put wheels in deploy/wheels/ and pass --build-arg OFFLINE=1
@@ -22,6 +24,8 @@ FROM ${BASE_IMAGE} AS builder
 # so one image serves CPU and GPU. For a much smaller CPU-only image pass e.g.
 #   --build-arg TORCH_SPEC="torch==2.5.1+cpu torchvision==0.20.1+cpu"
 #   --build-arg EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Empty (--build-arg TORCH_SPEC=) installs no torch: a client image for `hookserve
+# batch` and the SDK, with EXTRAS naming no server (e.g. EXTRAS=batch,s3).
 ARG TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
 # Non-empty: install from deploy/wheels only, with no package index at all.
 ARG OFFLINE=""
@@ -38,17 +42,20 @@ RUN python3 -m venv /opt/hookserve
 # Local wheels, if any (the folder always exists; see deploy/wheels/README.md).
 COPY deploy/wheels/ /wheels/
 
-# Layer 1, the heavy one: torch and torchvision. Depends only on TORCH_SPEC and the
-# wheels, so editing code or pyproject.toml never reinstalls torch.
+# Layer 1, the heavy one: torch and torchvision (none when TORCH_SPEC is empty).
+# Depends only on TORCH_SPEC and the wheels, so editing code or pyproject.toml never
+# reinstalls torch.
 # SC2086 is ignored on purpose in this stage: $TORCH_SPEC and ${OFFLINE:+...} must
 # word-split into several pip arguments (or into none at all).
 # hadolint ignore=SC2086
-RUN /opt/hookserve/bin/pip install ${OFFLINE:+--no-index} \
-      ${EXTRA_INDEX_URL:+--extra-index-url "$EXTRA_INDEX_URL"} $TORCH_SPEC
+RUN if [ -n "$TORCH_SPEC" ]; then \
+      /opt/hookserve/bin/pip install ${OFFLINE:+--no-index} \
+        ${EXTRA_INDEX_URL:+--extra-index-url "$EXTRA_INDEX_URL"} $TORCH_SPEC; \
+    fi
 
 # Layer 2: the other runtime dependencies, read from pyproject.toml: the core ones and
-# those of EXTRAS (server: `hookserve serve`; batch: .h5/.parquet output for
-# `hookserve batch`, which deploy/k8s/job-batch.yaml runs in this image).
+# those of EXTRAS, comma-separated (server: `hookserve serve`; batch: .h5/.parquet
+# output for `hookserve batch`; s3, gcs: inputs and outputs on object stores).
 ARG EXTRAS=server,batch
 COPY pyproject.toml /src/pyproject.toml
 # hadolint ignore=SC2086
@@ -85,6 +92,9 @@ COPY --from=builder /opt/hookserve /opt/hookserve
 # HOOKSERVE_WEIGHTS=imagenet with HOOKSERVE_DOWNLOAD=0: serve baked weights, or exit at
 # once with a clear message when there are none - never a silent download or silent
 # random weights. Pass --weights PATH (a mounted file) or --weights random to override.
+# HOOKSERVE_HOST=[::]: `hookserve serve` listens on loopback unless told, and a
+# container is reached from outside it, so the image listens on every interface (IPv4
+# too). Without --auth-token-file or TLS the server logs a warning saying so.
 ENV PATH=/opt/hookserve/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
     TORCH_HOME=/opt/hookserve/torch \

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -212,6 +213,64 @@ def test_indexed_job_shards_the_data_set():
     from hookserve.batch.shardrun import wants_shards
     assert wants_shards(ns)
     assert "JOB_COMPLETION_INDEX" not in ns.out
+
+
+def test_batch_job_image_is_built_with_the_extras_it_uses():
+    """The Job names an image and how to build it: from this Dockerfile, with EXTRAS
+    that cover every URL scheme and output format its arguments use."""
+    text = (K8S / JOB_FILE).read_text()
+    (build,) = re.findall(r"^#\s+(docker build .*)$", text, re.M)
+    words = shlex.split(build)
+    assert words[-1] == "."  # the repository root, where the Dockerfile is
+    tag = words[words.index("-t") + 1]
+    build_args = dict(w.split("=", 1) for w in words[1:] if "=" in w and not w.startswith("-"))
+    (c,) = by_kind()["Job"]["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == tag
+    extras = set(build_args["EXTRAS"].split(","))
+    argv = " ".join(c["args"])
+    out = next(a for a in c["args"] if a.startswith("--out="))
+    needed = {"s3"} if "s3://" in argv else set()
+    needed |= {"gcs"} if "gs://" in argv else set()
+    needed |= {"batch"} if out.endswith((".parquet", ".h5")) else set()
+    assert needed and needed <= extras, (needed, extras)
+    # ...every one of them is a real extra of the package, and the Dockerfile takes the
+    # build arguments (an empty TORCH_SPEC: no torch in a client image)
+    import tomllib
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras <= set(declared)
+    docker = DOCKERFILE.read_text()
+    for arg in build_args:
+        assert re.search(rf"^ARG {arg}=", docker, re.M), arg
+    if build_args.get("TORCH_SPEC") == "":
+        assert 'if [ -n "$TORCH_SPEC" ]' in docker
+        assert "server" not in extras  # `hookserve serve` needs torch
+    # the Dockerfile's own requirement list for those extras holds what they need
+    line = next(x for x in docker.splitlines() if "tomllib.load" in x)
+    code = re.search(r'python -c "(.*?)" "\$EXTRAS"', line).group(1)
+    code = code.replace("/src/pyproject.toml", str(ROOT / "pyproject.toml"))
+    reqs = subprocess.run([sys.executable, "-c", code, build_args["EXTRAS"]], check=True,
+                          capture_output=True, text=True, timeout=60).stdout.split()
+    names = {re.split(r"[<>=\[]", r)[0] for r in reqs}
+    assert {"s3fs", "fsspec", "pyarrow", "grpcio"} <= names and "torch" not in names
+    # and docs/deploy.md shows the same command
+    assert " ".join(words) in " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+
+
+def test_servers_listen_on_every_interface_explicitly(monkeypatch):
+    """`hookserve serve` listens on loopback unless told; the image, the Deployment and
+    docker compose each say every interface themselves."""
+    wildcard = ("[::]", "0.0.0.0")
+    for k in [k for k in os.environ if k.startswith("HOOKSERVE_")]:
+        monkeypatch.delenv(k)
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
+    env = dict(re.findall(r"\b(HOOKSERVE_[A-Z_]+)=(\S+)", DOCKERFILE.read_text()))
+    assert env["HOOKSERVE_HOST"] in wildcard
+    (c,) = by_kind()["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert build_parser().parse_args(["serve", *c["args"]]).host in wildcard
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    for svc in compose["services"].values():
+        assert svc["environment"]["HOOKSERVE_HOST"] in wildcard
 
 
 # ---------------------------------------------------------------- docker compose

@@ -49,6 +49,8 @@ def call_lines(caplog) -> list[str]:
 
 
 def delta(after, before, name, **labels) -> float:
+    if name == "hookserve_requests_total":  # set for Attribute calls only
+        labels.setdefault("attribution_method", "")
     key = (name, tuple(sorted(labels.items())))
     return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -164,3 +166,33 @@ def test_unary_calls_and_unknown_models_are_counted_and_logged(metrics_server, c
     assert [(x["method"], x["code"]) for x in lines] == [
         ("ListModels", "OK"), ("DescribeModel", "OK"), ("DescribeModel", "NOT_FOUND"),
         ("DescribeModel", "NOT_FOUND")]
+
+
+def test_attribute_calls_name_the_rpc_and_the_attribution_method(metrics_server, caplog):
+    port = metrics_server.metrics_port
+    before = scrape(port)
+    caplog.set_level(logging.INFO, logger="hookserve.calls")
+    img = encode(rand_image(64, 64, seed=4))
+
+    def attribute_lines() -> list[dict]:  # (the SDK may ask ListModels first)
+        lines = (json.loads(x) for x in call_lines(caplog))
+        return [x for x in lines if x["method"] == "Attribute"]
+
+    with metrics_server.client(timeout=120) as c:
+        c.attribute(img, layer="layer4", method="grad_cam")
+        c.attribute(img, layer="layer4", method="layer_cam")
+        c.attribute(img, layer=None, method="gradient")
+        assert wait_for(lambda: len(attribute_lines()) >= 3, timeout=10)
+    after = scrape(port)
+    lines = attribute_lines()
+    assert [(x["method"], x["attribution_method"], x["code"]) for x in lines] == [
+        ("Attribute", "grad_cam", "OK"), ("Attribute", "layer_cam", "OK"),
+        ("Attribute", "gradient", "OK")]
+    assert lines[0]["layers"] == ["layer4"] and lines[2]["layers"] == []
+    for method in ("grad_cam", "layer_cam", "gradient"):
+        assert delta(after, before, "hookserve_requests_total", method="Attribute",
+                     model="resnet18", code="OK", attribution_method=method) == 1
+    # every other RPC keeps an empty attribution_method
+    assert not any(dict(labels).get("attribution_method")
+                   for (name, labels) in after if name == "hookserve_requests_total"
+                   and dict(labels).get("method") != "Attribute")

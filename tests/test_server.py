@@ -59,3 +59,20 @@ def test_oversized_request_message_is_refused(make_server):
         # the server is fine afterwards
         assert c.extract(rand_image(32, 32), ["conv1"], native=True)["conv1"].shape == (
             64, 16, 16)
+
+
+def test_a_port_taken_after_the_checks_is_a_one_line_error(server):
+    """The start-up checks find a taken port before any model loads; one taken in
+    between (a race) is refused by the server's own bind, just as clearly."""
+    import socket
+
+    from hookserve_server.server import ServerOptions, create_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the port is "
+                                          "in use") as err:
+            create_server(server.engine, ServerOptions(host="127.0.0.1", port=port))
+    assert "\n" not in str(err.value)

@@ -23,19 +23,6 @@ from .types import REDUCTIONS
 EXIT_PIPE_CLOSED = 141
 
 
-def _serve(args) -> int:
-    try:
-        from hookserve_server.openmp import set_wait_default
-
-        args.openmp_note = set_wait_default()  # before torch loads OpenMP
-        from hookserve_server.app import serve
-    except ImportError as exc:
-        print(f"hookserve serve needs the server extra ({exc.name or exc} is missing):\n"
-              "    pip install 'hookserve[server]'", file=sys.stderr)
-        return 2
-    return serve(args)
-
-
 def _describe(args) -> int:
     with make_client(args) as c:
         d = c.describe(args.model, args.size)
@@ -121,12 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="run the server (needs the server extra)",
-                       description="Serve VGG/ResNet models over gRPC. Every flag has a "
-                                   "HOOKSERVE_* environment equivalent.")
-    from hookserve_server.config import add_serve_arguments
-    add_serve_arguments(s)
-    s.set_defaults(func=_serve)
+    from hookserve_server.command import add_serve_parser  # the one door to the server
+    add_serve_parser(sub)
 
     s = sub.add_parser("describe", help="print a model's layers with output shapes",
                        description="List every hookable layer: name, module type, output "

@@ -12,6 +12,16 @@ import os
 
 MiB = 1 << 20
 
+#: Served architectures (--model): any name ``torchvision.models.get_model`` knows works
+#: here; adding one is one line.
+ARCHITECTURES: tuple[str, ...] = (
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    "vgg11", "vgg13", "vgg16", "vgg19",
+    "vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn",
+)
+#: --weights values other than a file's path.
+WEIGHT_CHOICES = ("auto", "imagenet", "random")
+
 
 def memory_bytes() -> int:
     """Physical memory, or the cgroup (container) limit when that is lower."""
@@ -40,6 +50,62 @@ def _env(flag: str) -> str:
     return "HOOKSERVE_" + flag.lstrip("-").upper().replace("-", "_")
 
 
+#: Values a boolean HOOKSERVE_* variable may take.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+class _FromEnv(str):
+    """A default read from a HOOKSERVE_* variable. argparse converts a string default
+    when it parses (and only if the flag was not given), so a bad value is refused like
+    a bad flag, by name, and only by `hookserve serve`."""
+
+    env: str
+
+    def __new__(cls, value: str, env: str) -> _FromEnv:
+        out = super().__new__(cls, value)
+        out.env = env
+        return out
+
+
+def _converter(type, choices=None):
+    """`type` for argparse, saying which variable held a value it cannot take."""
+    kind = {int: "an integer", float: "a number"}.get(type, "valid")
+
+    def convert(value: str):
+        if not isinstance(value, _FromEnv):
+            return type(value)
+        try:
+            out = type(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value.env}={str(value)!r} is not {kind}") \
+                from None
+        if choices is not None and out not in choices:
+            raise argparse.ArgumentTypeError(
+                f"{value.env}={str(value)!r}: choose from {', '.join(choices)}")
+        return out
+
+    convert.__name__ = type.__name__  # argparse's "invalid int value" names it
+    return convert
+
+
+def _to_bool(value: str) -> bool:
+    word = value.strip().lower()
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise argparse.ArgumentTypeError(
+        f"{getattr(value, 'env', 'value')}={str(value)!r} is not a boolean: use "
+        f"{'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}")
+
+
+class _Bool(argparse.BooleanOptionalAction):
+    """--flag / --no-flag, whose environment default is checked when parsed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.type = _to_bool  # used only for a default from the environment
+
+
 class _Append(argparse.Action):
     """`append`, except that the first value given on the command line replaces the
     default (which may come from the environment) instead of adding to it."""
@@ -52,131 +118,159 @@ class _Append(argparse.Action):
 
 
 def _add(p: argparse.ArgumentParser, flag: str, *, default=None, type=str, help: str,
-         repeat: bool = False, choices=None, is_bool: bool = False) -> None:
+         repeat: bool = False, choices=None, is_bool: bool = False, metavar=None,
+         shown: str | None = None) -> None:
+    """One flag with its HOOKSERVE_* variable. The help ends with the default, unless
+    it is None (the help text then says what unset means), and the variable's name;
+    `shown` replaces the default's display (e.g. one computed on this machine)."""
     env = _env(flag)
     raw = os.environ.get(env)
-    if is_bool:
-        value = default if raw is None else raw.strip().lower() in ("1", "true", "yes", "on")
-        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
-                       help=f"{help} (env {env})")
-        return
+    value = default if raw is None else _FromEnv(raw, env)
+    if repeat and raw is not None:  # a comma-separated list
+        value = [v.strip() for v in raw.split(",") if v.strip()]
     if raw is not None:
-        value = [type(v.strip()) for v in raw.split(",") if v.strip()] if repeat else type(raw)
-    else:
-        value = default
-    shown = ",".join(map(str, value)) if isinstance(value, list) else value
-    p.add_argument(flag, default=value, type=type, action=_Append if repeat else "store",
-                   choices=choices, help=f"{help} (default: {shown}; env {env})")
+        shown = None  # the variable's value, not the built-in default
+    if shown is None and value is not None:
+        shown = ",".join(value) if isinstance(value, list) else str(value)
+        if is_bool and raw is None:
+            shown = flag if value else "--no-" + flag[2:]
+    help = f"{help} (default: {shown}; env {env})" if shown else f"{help} (env {env})"
+    if is_bool:
+        p.add_argument(flag, action=_Bool, default=value, help=help)
+        return
+    p.add_argument(flag, default=value, type=_converter(type, choices),
+                   action=_Append if repeat else "store", choices=choices,
+                   metavar=metavar, help=help)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
-    _add(g, "--model", default=None, repeat=True,
-         help="architecture to serve; repeat for several (the first is the default "
-              "model). One of resnet18/34/50/101/152, vgg11/13/16/19 and their _bn "
-              "variants. Default: resnet50")
-    _add(g, "--weights", default=None, repeat=True,
-         help="auto | imagenet | random | PATH to a state_dict file, for every model; "
-              "or MODEL=SPEC for one model (repeatable). auto = imagenet when cached or "
-              "downloadable, else random with a loud warning. Default: auto")
+    _add(g, "--model", default=["resnet50"], repeat=True, metavar="ARCH",
+         help="architecture to serve; repeat for several, the first being the default "
+              f"model: {', '.join(ARCHITECTURES)}")
+    _add(g, "--weights", default=["auto"], repeat=True, metavar="SPEC",
+         help="auto | imagenet | random | PATH to a state_dict file, for every model; or "
+              "MODEL=SPEC for one model (repeatable). auto: ImageNet weights when cached "
+              "or downloadable, else seeded random weights with a loud warning")
     _add(g, "--download", default=True, is_bool=True,
          help="let auto/imagenet download ImageNet weights that are not cached in "
               "$TORCH_HOME; with --no-download start-up never touches the network "
               "(imagenet then fails when not cached, auto serves random weights)")
-    _add(g, "--seed", default=0, type=int, help="seed for --weights random")
+    _add(g, "--seed", default=0, type=int, metavar="N",
+         help="seed of random weights (--weights random, and auto's fallback)")
     _add(g, "--device", default="auto",
          help="auto (cuda:0 when CUDA is available, else cpu), cpu, or cuda:N")
     _add(g, "--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
          help="dtype the models compute in (float16/bfloat16 are meant for GPUs)")
     _add(g, "--channels-last", default=False, is_bool=True,
          help="run convolutions in channels_last memory format (faster on GPUs)")
-    _add(g, "--threads", default=0, type=int,
+    _add(g, "--threads", default=0, type=int, metavar="N",
          help="torch intra-op threads on the CPU; 0 keeps torch's default. Unless "
               "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set, they spin ~0.1 ms between "
               "parallel regions (GOMP_SPINCOUNT=10000) before sleeping")
 
     g = p.add_argument_group("network")
-    _add(g, "--host", default="[::]", help="address to bind")
-    _add(g, "--port", default=50051, type=int, help="port; 0 picks a free one and logs it")
-    _add(g, "--max-streams", default=128, type=int,
-         help="concurrent work streams (Extract and Attribute together); more get "
-              "RESOURCE_EXHAUSTED with a retry hint (health checks and unary calls have "
-              "threads of their own)")
-    _add(g, "--max-side-streams", default=16, type=int,
-         help="concurrent calls of each streaming method other than Extract and Attribute "
-              "(health Watch, reflection); more get RESOURCE_EXHAUSTED. Threads are kept "
-              "for them and for unary calls, so open streams never block health checks")
-    _add(g, "--stream-idle-seconds", default=300.0, type=float,
-         help="cancel a health Watch or reflection stream after this long with no message "
-              "either way (Extract and Attribute are never cut for silence); 0 never")
-    _add(g, "--max-message-bytes", default=64 * MiB, type=int,
-         help="largest request message (one encoded image plus framing)")
-    _add(g, "--chunk-bytes", default=2 * MiB, type=int,
-         help="tensor bytes per response message (kept under gRPC's 4 MiB default)")
-    _add(g, "--grace-seconds", default=30.0, type=float,
+    _add(g, "--host", default="127.0.0.1",
+         help="address to listen on: loopback by default, so only this machine can "
+              "call; 0.0.0.0 or [::] for every interface (then set --auth-token-file "
+              "or TLS: without either, start-up logs a warning)")
+    _add(g, "--port", default=50051, type=int, metavar="PORT",
+         help="gRPC port; 0 picks a free one and logs it")
+    _add(g, "--max-streams", default=128, type=int, metavar="N",
+         help="concurrent work calls (Extract and Attribute streams and ExtractImage "
+              "calls together); more get RESOURCE_EXHAUSTED with a retry hint (health "
+              "checks and other unary calls have threads of their own)")
+    _add(g, "--max-side-streams", default=16, type=int, metavar="N",
+         help="concurrent calls of each other streaming method (health Watch, "
+              "reflection); more get RESOURCE_EXHAUSTED. Threads are kept for them and "
+              "for unary calls, so open streams never block health checks")
+    _add(g, "--stream-idle-seconds", default=300.0, type=float, metavar="S",
+         help="cancel a health Watch or reflection stream after this long with no "
+              "message either way (work calls are never cut for silence); 0: never")
+    _add(g, "--max-message-bytes", default=64 * MiB, type=int, metavar="BYTES",
+         help="largest request message the server accepts (one encoded image plus "
+              "framing); larger ones get RESOURCE_EXHAUSTED")
+    _add(g, "--chunk-bytes", default=2 * MiB, type=int, metavar="BYTES",
+         help="tensor bytes per response message; keep it under 4 MiB, the receive "
+              "limit of default gRPC clients")
+    _add(g, "--grace-seconds", default=30.0, type=float, metavar="S",
          help="on SIGTERM/SIGINT: time to finish in-flight images before exiting")
 
     g = p.add_argument_group("batching and limits")
-    _add(g, "--max-batch-size", default=32, type=int, help="images per forward pass")
-    _add(g, "--max-batch-delay-ms", default=5.0, type=float,
+    _add(g, "--max-batch-size", default=32, type=int, metavar="N",
+         help="images per forward pass")
+    _add(g, "--max-batch-delay-ms", default=5.0, type=float, metavar="MS",
          help="longest a batch waits for more images while some are still being decoded")
-    _add(g, "--max-batch-bytes", default=1024 * MiB, type=int,
+    _add(g, "--max-batch-bytes", default=1024 * MiB, type=int, metavar="BYTES",
          help="activation bytes per batch, counting per image the larger of the requested "
-              "layers' outputs and the largest layer output computed on the way; an image "
-              "whose largest single layer output is over it gets RESOURCE_EXHAUSTED")
-    _add(g, "--max-queue", default=1024, type=int,
+              "layers' outputs and the largest layer output computed on the way (for "
+              "Attribute, the graph kept for the backward pass); an image over it on its "
+              "own gets RESOURCE_EXHAUSTED")
+    _add(g, "--max-queue", default=1024, type=int, metavar="N",
          help="images admitted (decoding or waiting for the model) across all calls; "
               "beyond it images wait --queue-wait-ms, then get RESOURCE_EXHAUSTED")
-    _add(g, "--queue-wait-ms", default=2000.0, type=float,
+    _add(g, "--queue-wait-ms", default=2000.0, type=float, metavar="MS",
          help="how long an image waits for room in a full queue")
-    _add(g, "--max-inflight-per-stream", default=64, type=int,
+    _add(g, "--max-inflight-per-stream", default=64, type=int, metavar="N",
          help="images one stream may have unanswered; the stream then waits")
-    _add(g, "--max-stream-buffer-bytes", default=256 * MiB, type=int,
+    _add(g, "--max-stream-buffer-bytes", default=256 * MiB, type=int, metavar="BYTES",
          help="answer bytes one stream may have reserved and not yet sent. Each image's "
               "answer size is known from its header before it is decoded and reserved "
               "first; while the buffer is full the stream's requests are not read "
               "(backpressure). An answer bigger than this gets RESOURCE_EXHAUSTED")
+    quarter = (f"a quarter of the machine's or the container's memory, at least 256 MiB: "
+               f"{default_buffer_bytes()} here")
     _add(g, "--max-buffer-bytes", default=default_buffer_bytes(), type=int,
-         help="the same across all streams: answer bytes reserved and not yet sent. "
-              "Default: a quarter of the machine's (or the container's) memory")
+         metavar="BYTES", shown=quarter,
+         help="the same across all streams: answer bytes reserved and not yet sent")
     _add(g, "--max-preprocess-bytes", default=default_buffer_bytes(), type=int,
+         metavar="BYTES", shown=quarter,
          help="estimated peak memory of the images being decoded and resized at once "
               "(24 bytes a decoded pixel + 26 a resized one, from the header); images "
-              "wait for room, one that could never fit gets RESOURCE_EXHAUSTED. "
-              "Default: a quarter of the machine's (or the container's) memory")
-    _add(g, "--max-image-pixels", default=50_000_000, type=int,
-         help="largest image (width x height), checked before decoding")
-    _add(g, "--max-response-bytes", default=1024 * MiB, type=int,
+              "wait for room, one that could never fit gets RESOURCE_EXHAUSTED")
+    _add(g, "--max-image-pixels", default=50_000_000, type=int, metavar="N",
+         help="largest image (width x height), checked from the header before decoding")
+    _add(g, "--max-response-bytes", default=1024 * MiB, type=int, metavar="BYTES",
          help="largest estimated answer for one image (all layers, after reduction)")
-    _add(g, "--max-input-side", default=8192, type=int,
+    _add(g, "--max-input-side", default=8192, type=int, metavar="PIXELS",
          help="largest height or width of the model input and of the resized image "
               "before a crop (e.g. a 1x1000 image resized to 256 would be 256x256000), "
               "checked from the image header before decoding")
-    _add(g, "--max-attribution-cost", default=1024, type=int,
+    _add(g, "--max-attribution-cost", default=1024, type=int, metavar="N",
          help="largest Attribute request in forward-equivalents per image: passes x "
-              "(1 + 2 x targets), passes being 1, ig_steps + 1 (integrated gradients) or "
-              "sg_samples (smoothgrad, plus 1); costlier specs get INVALID_ARGUMENT")
+              "(1 + 2 x targets), passes being 1, integrated gradients' steps + 1, or "
+              "smoothgrad's samples + 1; costlier requests get INVALID_ARGUMENT")
     _add(g, "--gpu-decode", default=False, is_bool=True,
          help="decode plain RGB JPEGs on the model's CUDA device with torchvision's "
               "decode_jpeg; other images, CPU models and decoder failures use the CPU")
-    _add(g, "--preprocess-workers", default=min(8, os.cpu_count() or 2), type=int,
+    workers = min(8, os.cpu_count() or 2)
+    _add(g, "--preprocess-workers", default=workers, type=int, metavar="N",
+         shown=f"the CPU cores, at most 8: {workers} here",
          help="threads decoding and resizing images")
 
     g = p.add_argument_group("security")
-    _add(g, "--tls-cert", default=None, help="PEM certificate chain; enables TLS")
-    _add(g, "--tls-key", default=None, help="PEM private key for --tls-cert")
-    _add(g, "--tls-client-ca", default=None,
-         help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)")
-    _add(g, "--auth-token-file", default=None,
-         help="file holding a bearer token every call but health checks must send")
+    _add(g, "--tls-cert", metavar="PEM",
+         help="certificate chain (PEM) the server presents; with --tls-key it turns TLS "
+              "on (plaintext when unset)")
+    _add(g, "--tls-key", metavar="PEM",
+         help="the unencrypted private key (PEM) of --tls-cert; unset without TLS")
+    _add(g, "--tls-client-ca", metavar="PEM",
+         help="CA bundle (PEM); clients must present a certificate it signed (mutual "
+              "TLS; needs --tls-cert and --tls-key). When unset, clients need none")
+    _add(g, "--auth-token-file", metavar="PATH",
+         help="file holding a bearer token that every call but health checks must send "
+              "('authorization: Bearer <token>'); off when unset")
 
     g = p.add_argument_group("observability")
-    _add(g, "--metrics-port", default=None, type=int,
+    _add(g, "--metrics-port", type=int, metavar="PORT",
          help="serve Prometheus metrics on this port (0 picks one); off when unset. "
               "The endpoint has no auth: it shows call and image counts by model and "
               "status code, latencies, batch sizes and bytes sent, never image data or ids")
-    _add(g, "--metrics-host", default="127.0.0.1",
+    _add(g, "--metrics-host", default="127.0.0.1", metavar="HOST",
          help="address the metrics endpoint binds: loopback by default; 0.0.0.0 (or a "
               "pod IP) for a Prometheus on another host")
+    _add(g, "--log-format", default="auto", choices=["auto", "text", "json"],
+         help="text: one readable line per record; json: one JSON object per line; "
+              "auto: text when stderr is a terminal, else json")
     _add(g, "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-         help="log level")
+         help="least severe records logged (INFO logs start-up, and one line per call)")

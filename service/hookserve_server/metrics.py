@@ -21,8 +21,10 @@ class PrometheusTelemetry(Telemetry):
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.requests = Counter("hookserve_requests_total", "Calls by method, model and code",
-                                ["method", "model", "code"], registry=r)
+        self.requests = Counter(
+            "hookserve_requests_total",
+            "Calls by RPC (method), model, code and, for Attribute, attribution method",
+            ["method", "model", "code", "attribution_method"], registry=r)
         self.images = Counter("hookserve_images_total", "Images answered by model and code",
                               ["model", "code"], registry=r)
         self.bytes = Counter("hookserve_bytes_sent_total", "Tensor bytes sent", ["model"],
@@ -72,8 +74,8 @@ class PrometheusTelemetry(Telemetry):
     def bytes_sent(self, model, nbytes):
         self.bytes.labels(model).inc(nbytes)
 
-    def call_done(self, method, model, code):
-        self.requests.labels(method, model, code).inc()
+    def call_done(self, method, model, code, attribution_method=""):
+        self.requests.labels(method, model, code, attribution_method).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Start the /metrics HTTP endpoint; returns the bound port (0 picks one)."""

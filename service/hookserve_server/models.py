@@ -1,6 +1,6 @@
 """Architectures, weights loading, and ServedModel (a model on its device).
 
-Adding a torchvision architecture is one line in ``ARCHITECTURES``.
+Adding a torchvision architecture is one line in ``config.ARCHITECTURES``.
 """
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import socket
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,19 +21,13 @@ from torch import nn
 
 from .capture.reduce import DTYPES
 from .capture.table import LayerInfo, LayerTables, layer_names
+from .config import ARCHITECTURES, WEIGHT_CHOICES  # noqa: F401  (models.WEIGHT_CHOICES)
 from .errors import ConfigError
+from .logs import LOUD
 from .spec import DType
 
 log = logging.getLogger("hookserve.models")
 
-#: Served architectures: any name ``torchvision.models.get_model`` knows works here.
-ARCHITECTURES: tuple[str, ...] = (
-    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-    "vgg11", "vgg13", "vgg16", "vgg19",
-    "vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn",
-)
-
-WEIGHT_CHOICES = ("auto", "imagenet", "random")
 #: Seconds without progress before a weights download is given up.
 DOWNLOAD_TIMEOUT_S = 30.0
 
@@ -82,20 +79,49 @@ def defaults_for(arch: str) -> Defaults:
     )
 
 
+#: How to write a file hookserve loads, ending every weights-file error.
+SAVE_HINT = "save the weights alone with torch.save(model.state_dict(), PATH)"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _load_error(path: Path, exc: Exception) -> str:
+    """torch.load's refusal as one line that says what to do. torch's own message is
+    many lines (with terminal colour codes) and suggests loading with weights_only=False,
+    which hookserve never does: it would run code from the file."""
+    text = _ANSI.sub("", str(exc))
+    if found := re.search(r"GLOBAL ([\w.]+)", text):
+        name = found.group(1)
+        what = f"a pickled {name}"
+        if ".nn." in name or ".models." in name:
+            what += " (a whole model, saved with torch.save(model))"
+        return (f"weights file {path} holds {what}, not a state_dict (a dict of tensors): "
+                f"hookserve runs no code from a weights file; {SAVE_HINT}")
+    if not zipfile.is_zipfile(path):
+        reason = "it is not a file torch.save writes"
+    elif found := re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S):
+        reason = found.group(1)
+    else:
+        reason = f"{type(exc).__name__}: {text}"
+    reason = " ".join(reason.split())[:200]
+    return f"could not load weights file {path} as a state_dict ({reason}); {SAVE_HINT}"
+
+
 def _file_state_dict(path: Path, arch: str) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ConfigError(f"weights file {path} does not exist (for model {arch})")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ConfigError(
-            f"could not load {path} as a state_dict with weights_only=True: {exc}. "
-            "Save weights with torch.save(model.state_dict(), path)."
-        ) from None
+        raise ConfigError(_load_error(path, exc)) from None
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ConfigError(f"{path} does not hold a state_dict (a dict of tensors)")
+        held = (f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"
+                if isinstance(obj, dict) else f"a {type(obj).__name__}")
+        raise ConfigError(f"weights file {path} holds {held}, not a state_dict (a dict of "
+                          f"tensors); {SAVE_HINT}")
     if obj and all(k.startswith("module.") for k in obj):  # saved from DataParallel
         obj = {k[len("module."):]: v for k, v in obj.items()}
     return obj
@@ -132,16 +158,17 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
     weights = default_weights_enum(arch)
     path = imagenet_cache_path(arch)
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
         log.info("downloading %s weights %s to %s", arch, weights.url, path)
         old = socket.getdefaulttimeout()
         socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # a firewalled network must not hang start-up
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             torch.hub.download_url_to_file(weights.url, str(path), progress=False)
         except Exception as exc:
+            why = " ".join(str(exc).split())[:300]
             raise ConfigError(
                 f"ImageNet weights for {arch} are not cached at {path} and could not be "
-                f"downloaded ({type(exc).__name__}: {exc}). On an offline machine, copy "
+                f"downloaded ({type(exc).__name__}: {why}). On an offline machine, copy "
                 f"{os.path.basename(weights.url)} there (or set TORCH_HOME), or pass "
                 "--weights PATH to a state_dict file."
             ) from None
@@ -151,9 +178,13 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
     stem = path.stem
     prefix = stem.rsplit("-", 1)[-1] if "-" in stem else ""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    except OSError as exc:
+        raise ConfigError(f"cannot read cached ImageNet weights {path}: {exc.strerror}") \
+            from None
     verified = bool(prefix) and h.hexdigest().startswith(prefix)
     if not verified:
         log.warning(
@@ -178,11 +209,9 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
         except ConfigError as exc:
             if weights == "imagenet":
                 raise
-            log.warning(
-                "\n" + "!" * 78 + "\n%s: NO PRETRAINED WEIGHTS. Serving RANDOM weights "
-                "(seed=%d): features are meaningless for real use.\nReason: %s\n" + "!" * 78,
-                arch, seed, exc,
-            )
+            log.warning("%s: NO PRETRAINED WEIGHTS: serving RANDOM weights (seed=%d), "
+                        "features are meaningless for real use. Reason: %s", arch, seed,
+                        exc, extra=LOUD)
             weights = "random"
         else:
             _load_into(model, sd, f"cached ImageNet weights for {arch}", arch)

@@ -17,6 +17,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 
 from .allocator import keep_large_buffers_on_heap
 from .engine import Engine
+from .preflight import MAX_SEND_MESSAGE_BYTES
 from .servicer import Servicer
 from .stream_caps import SIDE_STREAMS, StreamCaps, same_shape
 
@@ -31,11 +32,11 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 @dataclass
 class ServerOptions:
-    host: str = "[::]"
+    host: str = "127.0.0.1"
     port: int = 50051
     max_streams: int = 128
     max_receive_message_bytes: int = 64 << 20
-    max_send_message_bytes: int = 16 << 20
+    max_send_message_bytes: int = MAX_SEND_MESSAGE_BYTES
     chunk_bytes: int = 2 << 20
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
@@ -147,18 +148,30 @@ class HookServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{opts.host}:{opts.port}"
-        if opts.tls_cert:
-            creds = grpc.ssl_server_credentials(
-                [(opts.tls_key, opts.tls_cert)], root_certificates=opts.tls_client_ca,
-                require_client_auth=opts.tls_client_ca is not None)
-            self.port = self.grpc.add_secure_port(address, creds)
-        else:
-            self.port = self.grpc.add_insecure_port(address)
-        if not self.port:
-            raise OSError(f"could not bind {address}")
+        self.port = self._bind(f"{opts.host}:{opts.port}")
         self._stopped = threading.Event()
         self._listening = False
+
+    def _bind(self, address: str) -> int:
+        """Listen on `address`; the port bound. OSError with a one-line reason if not
+        (gRPC raises a RuntimeError that only says "Failed to bind")."""
+        opts = self.opts
+        try:
+            if opts.tls_cert:
+                creds = grpc.ssl_server_credentials(
+                    [(opts.tls_key, opts.tls_cert)], root_certificates=opts.tls_client_ca,
+                    require_client_auth=opts.tls_client_ca is not None)
+                port = self.grpc.add_secure_port(address, creds)
+            else:
+                port = self.grpc.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if not port:
+            self.grpc.stop(None)
+            self._pool.shutdown(wait=False)
+            raise OSError(f"cannot listen on {address}: the port is in use, or the address "
+                          "is not one of this machine's (--host, --port)")
+        return port
 
     def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):

@@ -99,7 +99,8 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
 
     @contextlib.contextmanager
     def _observed(self, method: str, context, stats: dict):
-        """Count the call by model and code, and log one JSON line for it."""
+        """Count the call by RPC, model, code (and attribution method), and log one
+        line for it (logs.py writes its fields as JSON or as text)."""
         t0 = time.monotonic()
         code = "OK"
         try:
@@ -111,10 +112,11 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             code = getattr(exc, "code", "INTERNAL")
             raise
         finally:
-            self.telemetry.call_done(method, stats.get("model", ""), code)
+            attribution = stats.get("attribution_method", "")
+            self.telemetry.call_done(method, stats.get("model", ""), code, attribution)
             line = {"event": "call", "method": method, "peer": context.peer(), **stats,
                     "seconds": round(time.monotonic() - t0, 4), "code": code}
-            log.info(json.dumps(line))
+            log.info(_CallLine(line), extra={"fields": line})
 
     def _noted(self, requests, stats: dict):
         """Pass requests through, noting the latest spec's model and layers for logs and
@@ -127,7 +129,7 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             elif isinstance(req, AttributionSpec):
                 stats["model"] = self._model_label(req.model)
                 stats["layers"] = [req.layer[:100]] if req.layer else []
-                stats["method"] = req.method.label
+                stats["attribution_method"] = req.method.label
             yield req
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -208,6 +210,13 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             self.telemetry.serialize_seconds(time.perf_counter() - t0)
             self.telemetry.bytes_sent(model, nbytes)
             self.telemetry.image_done(model, "OK")
+
+
+class _CallLine(dict):
+    """A call's log fields; as the record's message, their JSON (made only if used)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self)
 
 
 def _call_stats() -> dict:

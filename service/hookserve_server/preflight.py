@@ -1,0 +1,236 @@
+"""`hookserve serve`'s checks that need no torch: flags, files, addresses, ports, TLS.
+
+They run before torch is imported and any model is loaded, so such a mistake costs
+no time: gRPC itself would report a taken port only once the server is built (after
+the models have loaded), as "Failed to bind"; a TLS file that is not PEM, or a key
+that does not match its certificate, would pass start-up and fail every handshake.
+Each check raises a ConfigError that says what to change. No torch, no grpc here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import re
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ARCHITECTURES, WEIGHT_CHOICES
+from .errors import ConfigError
+
+#: The largest message the server sends (gRPC's send limit; chunks stay under it).
+MAX_SEND_MESSAGE_BYTES = 16 << 20
+
+#: OpenSSL's policy refusals (key sizes, digests) that gRPC's own TLS library accepts.
+_POLICY_ONLY = re.compile(r"TOO_SMALL|TOO_WEAK|MD_TOO")
+
+
+def listen_host(host: str, flag: str) -> str:
+    """`host` as gRPC takes it: a bare IPv6 address gets its brackets."""
+    host = host.strip()
+    if not host:
+        raise ConfigError(f"{flag} is empty: use 127.0.0.1 (this machine only), or "
+                          "0.0.0.0 or [::] (every interface)")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return host
+
+
+def metrics_host(host: str) -> str:
+    """--metrics-host for the HTTP server: the IPv6 wildcard becomes 0.0.0.0, which
+    works where a container has IPv6 switched off."""
+    addr = host.strip().strip("[]")
+    return "0.0.0.0" if addr in ("", "::") else addr
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address `host` names is a loopback one."""
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def check_bindable(host: str, port: int, flag: str) -> None:
+    """ConfigError unless `host:port` could be listened on now: the port is free (no
+    other process listens there), allowed, and the address is this machine's."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    foreign = 0
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                why = (f"port {port} is in use (is another server running?): stop it, or "
+                       f"choose another {flag}")
+            elif exc.errno == errno.EACCES:
+                why = (f"port {port} needs privileges this process lacks: choose one "
+                       f"above 1023 with {flag}")
+            else:  # e.g. no IPv6 here: fine while another address binds
+                foreign += exc.errno == errno.EADDRNOTAVAIL
+                continue
+            raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
+    if infos and foreign == len(infos):
+        raise ConfigError(f"cannot listen on {host}:{port}: {host} is not an address of "
+                          "this machine")
+
+
+def check_tls(cert: str, key: str, client_ca: str | None) -> None:
+    """ConfigError unless `cert` holds PEM certificates, `key` is the unencrypted PEM
+    private key of the first, and `client_ca` (if any) holds PEM certificates."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for path, flag in ((cert, "--tls-cert"), (client_ca, "--tls-client-ca")):
+        if path:
+            try:
+                ctx.load_verify_locations(cafile=path)
+            except (ssl.SSLError, ValueError):
+                raise ConfigError(f"{flag} {path} holds no PEM certificate "
+                                  "(-----BEGIN CERTIFICATE-----)") from None
+    try:
+        ctx.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        reason = exc.reason or str(exc)
+        if _POLICY_ONLY.search(reason):
+            return
+        if reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"--tls-key {key} is not the key of --tls-cert {cert}") \
+                from None
+        raise ConfigError(f"--tls-key {key} is not an unencrypted PEM private key "
+                          f"({reason})") from None
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What `preflight` read and settled: the models with their weights specs, the
+    listening address and the security material."""
+
+    names: list[str]
+    weights: dict[str, str]
+    host: str
+    tls_cert: bytes | None
+    tls_key: bytes | None
+    tls_client_ca: bytes | None
+    auth_token: str | None
+    metrics_host: str | None
+
+
+def preflight(args: argparse.Namespace) -> Checked:
+    """Every check of `hookserve serve`'s flags that needs no torch, cheapest first."""
+    check_ranges(args)
+    host = listen_host(args.host, "--host")
+    mhost = None if args.metrics_port is None else metrics_host(args.metrics_host)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    names = args.model or ["resnet50"]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--model lists a model twice: {names}")
+    unknown = [n for n in names if n not in ARCHITECTURES]
+    if unknown:
+        raise ConfigError(f"unknown --model {', '.join(unknown)}: choose from "
+                          f"{', '.join(ARCHITECTURES)}")
+    checked = Checked(
+        names=names, weights=weights_per_model(names, args.weights or []), host=host,
+        tls_cert=read_file(args.tls_cert, "--tls-cert"),
+        tls_key=read_file(args.tls_key, "--tls-key"),
+        tls_client_ca=read_file(args.tls_client_ca, "--tls-client-ca"),
+        auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
+        metrics_host=mhost)
+    if args.tls_cert:
+        check_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    check_bindable(host, args.port, "--port")
+    if mhost is not None:
+        import prometheus_client  # noqa: F401  (the server extra's: missing, say so now)
+
+        check_bindable(mhost, args.metrics_port, "--metrics-port")
+    return checked
+
+
+def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
+    """`--weights` values -> {model: spec}. 'SPEC' sets all, 'MODEL=SPEC' one."""
+    out = dict.fromkeys(models, "auto")
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if sep and name in ARCHITECTURES:
+            if name not in out:
+                raise ConfigError(f"--weights {spec}: {name} is not among --model {models}")
+            out[name] = value
+        else:
+            for m in out:
+                out[m] = spec
+    for m, v in out.items():
+        if v not in WEIGHT_CHOICES and not Path(v).expanduser().is_file():
+            raise ConfigError(
+                f"--weights for {m}: {v!r} is neither auto/imagenet/random nor an existing "
+                "file")
+    return out
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Numeric flags that would break the server are refused at start-up."""
+    positive = ("max_streams", "max_batch_size", "max_batch_bytes", "max_queue",
+                "max_inflight_per_stream", "max_stream_buffer_bytes", "max_buffer_bytes",
+                "max_preprocess_bytes", "max_image_pixels", "max_response_bytes",
+                "max_input_side", "preprocess_workers", "max_message_bytes", "chunk_bytes",
+                "max_side_streams", "max_attribution_cost")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("max_batch_delay_ms", "queue_wait_ms", "grace_seconds", "threads",
+                 "stream_idle_seconds"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+    for name in ("port", "metrics_port"):
+        port = getattr(args, name)
+        if port is not None and not 0 <= port <= 65535:
+            raise ConfigError(f"--{name.replace('_', '-')} {port} is not a port: use 0 to "
+                              "65535 (0 picks a free one)")
+    if args.chunk_bytes > MAX_SEND_MESSAGE_BYTES - (64 << 10):
+        raise ConfigError(f"--chunk-bytes must leave room under the "
+                          f"{MAX_SEND_MESSAGE_BYTES >> 20} MiB send limit (and stay under "
+                          "4 MiB for default gRPC clients)")
+
+
+def read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read --auth-token-file {path}: {_why(exc)}") from None
+    if not token:
+        raise ConfigError(f"--auth-token-file {path} is empty")
+    return token
+
+
+def read_file(path: str | None, flag: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {flag} {path}: {_why(exc)}") from None
+
+
+def _why(exc: Exception) -> str:
+    return getattr(exc, "strerror", None) or str(exc)
