@@ -192,11 +192,13 @@ def not_regular(mode: int) -> str | None:
 
 
 def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
-               expect: tuple[int, int] | None = None) -> bytes:
+               expect: tuple[int, int] | None = None, cap=None) -> bytes:
     """An input image's encoded bytes. Only a regular file is read: it is opened
     non-blocking (a FIFO with no writer cannot hang the run) and checked on the open
-    descriptor. `expect` is (size, mtime_ns) from the listing: a file changed since
-    then fails. Raises a typed :class:`hookserve.HookserveError` naming the problem.
+    descriptor; one over `max_bytes` is refused from its size, unread (`cap`, a
+    :class:`~.limits.Cap`, names what sets the limit). `expect` is (size, mtime_ns)
+    from the listing: a file changed since then fails. Raises a typed
+    :class:`hookserve.HookserveError` naming the problem.
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) \
         | getattr(os, "O_NOCTTY", 0)
@@ -211,8 +213,8 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
             raise errors.InvalidArgument(f"{what}, not a regular file: only regular files "
                                          "are read")
         if st.st_size > max_bytes:
-            raise errors.InvalidArgument(f"{st.st_size} bytes, over the per-file cap of "
-                                         f"{max_bytes} (raise --max-file-bytes)")
+            from .limits import Cap
+            raise (cap or Cap(max_bytes)).refuse(st.st_size)
         if expect is not None and (st.st_size, st.st_mtime_ns) != expect:
             raise errors.FailedPrecondition("the file changed between listing and reading "
                                             "(size or mtime differ): run again to read it")
