@@ -18,8 +18,8 @@ import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 
 
-def tar_bytes(members: list[tuple[str, bytes]], *, links: dict[str, tuple[str, str]] = {},
-              mode: str = "w") -> bytes:
+def tar_bytes(members: list[tuple[str, bytes]], *,
+              links: dict[str, tuple[str, str]] | None = None, mode: str = "w") -> bytes:
     """A tar (mode "w:gz" for a .tar.gz) of regular members, plus link members
     (name -> ("sym" | "hard", target))."""
     buf = io.BytesIO()
@@ -28,7 +28,7 @@ def tar_bytes(members: list[tuple[str, bytes]], *, links: dict[str, tuple[str, s
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-        for name, (kind, target) in links.items():
+        for name, (kind, target) in (links or {}).items():
             info = tarfile.TarInfo(name)
             info.type = tarfile.SYMTYPE if kind == "sym" else tarfile.LNKTYPE
             info.linkname = target

@@ -218,12 +218,15 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
         if expect is not None and (st.st_size, st.st_mtime_ns) != expect:
             raise errors.FailedPrecondition("the file changed between listing and reading "
                                             "(size or mtime differ): run again to read it")
-        chunks, n = [], 0
-        while n <= max_bytes:
-            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
+        # Reads of the whole size (and one byte more, to see growth): no chunks to join,
+        # so a file costs its size once.
+        want = min(st.st_size, max_bytes) + 1
+        parts, n = [], 0
+        while n < want:
+            b = os.read(fd, want - n)
             if not b:
                 break
-            chunks.append(b)
+            parts.append(b)
             n += len(b)
     except OSError as exc:
         raise _os_error(exc) from None
@@ -232,7 +235,7 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
     if n != st.st_size:
         raise errors.FailedPrecondition(f"the file changed while it was read ({n} bytes "
                                         f"read, {st.st_size} listed): run again to read it")
-    return b"".join(chunks)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _os_error(exc: OSError) -> errors.HookserveError:

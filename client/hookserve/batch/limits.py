@@ -10,10 +10,14 @@
   the input and gives it back once the input is answered; one input larger than the
   whole budget is read only when nothing else is held.
 - :func:`check_flags`: every numeric flag's range, checked before anything starts.
+- :func:`return_freed_inputs`: the allocator setting under which the memory bound of
+  docs/limits.md holds (inputs' buffers go back to the system once freed).
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -120,6 +124,25 @@ class ByteBudget:
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()
+
+
+def return_freed_inputs(threshold: int = 1 << 20) -> bool:
+    """glibc only: allocate buffers of `threshold` bytes or more (encoded inputs, their
+    messages) with mmap, so a freed one goes back to the system at once.
+
+    glibc's default threshold grows with the largest buffer freed (up to 32 MiB), after
+    which such buffers come from per-thread heaps that keep freed memory: measured, that
+    doubled the batch client's peak (211 MB against 101 MB for 24 MiB of inputs in
+    flight). Not done in a process that also runs a server, which keeps its own
+    setting. -> whether it was set."""
+    if "hookserve_server.allocator" in sys.modules:  # a server set its own
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3  # from <malloc.h>; setting it also fixes it
+    return bool(mallopt(m_mmap_threshold, threshold))
 
 
 #: flag -> (lowest value, what it is), checked by :func:`check_flags`.

@@ -190,6 +190,9 @@ def _read_http(url: str, opts: dict, cap, bound: int, timeout: float) -> bytes:
             if bound >= cap.limit:
                 raise cap.refuse(n, "the object (at least)")
             raise NeedMore(cap.limit)
+        if length is not None and length.isdigit() and n != int(length):
+            raise errors.Unavailable(f"cannot read {url}: the body ended after {n} of "
+                                     f"{length} bytes")
     return b"".join(chunks)
 
 

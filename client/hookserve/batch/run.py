@@ -37,7 +37,7 @@ from .inputs import (
     parse_shard,
     select_shard,
 )
-from .limits import Cap, check_flags
+from .limits import Cap, check_flags, return_freed_inputs
 from .progress import Progress
 from .scheduler import Item, Scheduler, Streams
 from .sharded import run_sharded
@@ -48,6 +48,7 @@ from .spec import connect, describe_and_check, parse_layers
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `hookserve batch`; returns the exit code."""
+    return_freed_inputs()
     try:
         return _run(args)
     except Abort as exc:

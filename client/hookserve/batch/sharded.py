@@ -232,15 +232,15 @@ def _report(args, results: list[ShardResult], fatal, interrupted: bool, skipped:
                f"{rows / max(elapsed, 1e-9):.1f} img/s in {elapsed:.1f}s -> {args.out}")
     if failed:
         summary += f" (errors: {args.out.rstrip('/')}/_errors-*.csv)"
+    if fatal is not None:  # one line: what stopped the run, and how far it came
+        print(f"hookserve batch: {_one_line(fatal)} (stopped; {len(results)} shards "
+              "written before)", file=sys.stderr)
+        return EXIT_CANNOT_PROCEED
     for r in open_[:NAMED]:
         print(f"hookserve batch: not finished: {r.key}: {r.reason}", file=sys.stderr)
     if len(open_) > NAMED:
         print(f"hookserve batch: ... and {len(open_) - NAMED} more shards not finished",
               file=sys.stderr)
-    if fatal is not None:
-        print(summary + "; stopped early", file=sys.stderr)
-        print(f"hookserve batch: {_one_line(fatal)}", file=sys.stderr)
-        return EXIT_CANNOT_PROCEED
     if interrupted:
         print(summary + f"; interrupted with {n_todo - len(results)} shards left: run the "
               "same command again to finish", file=sys.stderr)
