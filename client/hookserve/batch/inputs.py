@@ -69,8 +69,8 @@ def _table(path: str, column: str) -> list[str]:
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
-            raise InputError("reading a Parquet input list needs pyarrow:\n"
-                             "    pip install 'hookserve[batch]'") from exc
+            raise InputError("reading a Parquet input list needs pyarrow: "
+                             "pip install 'hookserve[batch]'") from exc
         schema = pq.read_schema(path)
         if column not in schema.names:
             raise InputError(f"{path}: no column {column!r} (columns: "

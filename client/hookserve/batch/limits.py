@@ -166,10 +166,11 @@ def check_flags(args) -> None:
         if value is not None and not value > 0:
             raise Abort(f"--{name.replace('_', '-')} must be a positive number of seconds, "
                         f"got {value}")
-    shard = getattr(args, "shard", None)
-    if shard is not None:
-        from .inputs import parse_shard
-        try:
-            parse_shard(shard)
-        except ValueError as exc:
-            raise Abort(str(exc)) from None
+    from .inputs import parse_shard
+    from .remote import parse_storage_options
+    try:
+        if getattr(args, "shard", None) is not None:
+            parse_shard(args.shard)
+        parse_storage_options(getattr(args, "storage_option", None))
+    except ValueError as exc:
+        raise Abort(str(exc)) from None
