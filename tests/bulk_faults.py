@@ -88,13 +88,15 @@ class Web:
     """A local http server (a thread) with misbehaving URLs:
 
     - ``/f/<name>``: the bytes in :attr:`files` (``/f/<name>?cut=N`` cuts the body
-      after N bytes while announcing the whole length);
+      after N bytes while announcing the whole length); a name in :attr:`gates` waits
+      for its event before it answers;
     - ``/big``: announces a 10 GB body, sends none; ``/endless``: a body with no length
       that never ends; ``/hang``: never answers; anything else: 404.
     """
 
     def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
+        self.gates: dict[str, threading.Event] = {}
         self.stop = threading.Event()
         web = self
 
@@ -106,6 +108,9 @@ class Web:
                 path, _, query = self.path.partition("?")
                 try:
                     if path.startswith("/f/") and path[3:] in web.files:
+                        gate = web.gates.get(path[3:])
+                        if gate is not None:
+                            gate.wait(60)
                         data = web.files[path[3:]]
                         self.send_response(200)
                         self.send_header("Content-Length", str(len(data)))

@@ -12,11 +12,11 @@ import time
 
 import grpc
 import pytest
-from bulk_faults import tar_bytes
 
 from hookserve.batch.cli import add_batch_parser
 from hookserve.cli import build_parser, main
 
+from bulk_faults import tar_bytes
 from conftest import encode, rand_image
 
 OPTS = ["--no-progress", "--layers", "fc", "--resize", "32", "--crop", "32"]

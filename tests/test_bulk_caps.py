@@ -22,12 +22,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from bulk_faults import Web, markers, read_out, tar_bytes
 
 from hookserve.batch.errors import EXIT_INCOMPLETE
 from hookserve.batch.limits import FRAMING
 from hookserve.cli import main
 
+from bulk_faults import Web, markers, read_out, tar_bytes
 from conftest import RunningServer, encode, rand_image
 
 MiB = 1 << 20

@@ -14,10 +14,10 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from bulk_faults import markers, read_out, tar_bytes
 
 from hookserve.cli import main
 
+from bulk_faults import markers, read_out, tar_bytes
 from conftest import RunningServer, encode, rand_image
 
 OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]

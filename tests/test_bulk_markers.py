@@ -15,13 +15,13 @@ import os
 import tarfile
 
 import pytest
-from bulk_faults import FaultyFS, markers, read_out, tar_bytes
 
 from hookserve.batch import run_shard
 from hookserve.batch.errors import EXIT_INCOMPLETE, FINAL_CODES, is_final
 from hookserve.batch.shardrun import ShardIncomplete
 from hookserve.cli import main
 
+from bulk_faults import FaultyFS, markers, read_out, tar_bytes
 from conftest import RunningServer, encode, rand_image
 
 OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]
