@@ -45,6 +45,11 @@ class InputError(Exception):
     """The inputs cannot be listed (a missing path, a missing column...)."""
 
 
+def is_image(name: str) -> bool:
+    """Whether a file name has an image extension (:data:`IMAGE_EXTS`)."""
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTS
+
+
 def _walk(root: str) -> Iterator[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -213,8 +218,11 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
             raise errors.InvalidArgument(f"{what}, not a regular file: only regular files "
                                          "are read")
         if st.st_size > max_bytes:
-            from .limits import Cap
-            raise (cap or Cap(max_bytes)).refuse(st.st_size)
+            if cap is not None:
+                raise cap.refuse(st.st_size)
+            raise errors.InvalidArgument(f"the file is {st.st_size} bytes, over the per-file "
+                                         f"cap of {max_bytes} bytes (--max-file-bytes); it "
+                                         "was not read")
         if expect is not None and (st.st_size, st.st_mtime_ns) != expect:
             raise errors.FailedPrecondition("the file changed between listing and reading "
                                             "(size or mtime differ): run again to read it")

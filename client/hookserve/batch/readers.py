@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from .. import errors
-from .inputs import encode_name, read_bytes
+from .inputs import encode_name, is_image, read_bytes
 from .limits import Cap
 from .remote import STREAM_ERRORS, NeedMore, is_url, open_stream, read_object, storage_error
 
@@ -40,6 +40,11 @@ FIRST_READ = 4 << 20
 #: Objects of a listing shard read at once (each within the byte budget).
 AHEAD = 16
 _POOL = ThreadPoolExecutor(max_workers=AHEAD, thread_name_prefix="hookserve-fetch")
+
+
+class ShardError(Exception):
+    """An input cannot be planned or read as asked (missing, unreadable listing, a
+    missing column or one of the wrong type): a usage mistake that stops the run."""
 
 
 def is_tar(name: str) -> bool:
@@ -135,8 +140,6 @@ def tar_entries(path: str, opts: dict, cap: Cap, timeout: float) -> Iterator[Ent
     extension are the images; other regular members are skipped; a link or any other
     non-regular member named like an image gets an error entry. The archive must end
     with its end-of-archive block, else a DATA_LOSS entry ``<tar>/`` ends the shard."""
-    from .shards import is_image
-
     class Info(tarfile.TarInfo):  # remembers the last header block read
         last = b""
 
@@ -214,8 +217,6 @@ def check_columns(source: str, schema, image_column: str, id_column: str | None)
     the image bytes leaf (``image`` or ``image.bytes``). Raises ShardError (a usage
     mistake: one line, exit code 2) naming the column."""
     import pyarrow as pa
-
-    from .shards import ShardError
 
     names = schema.names
     for col in (image_column, id_column):

@@ -29,14 +29,10 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .inputs import IMAGE_EXTS, LIST_EXTS, encode_name, list_file
+from .inputs import LIST_EXTS, encode_name, is_image, list_file
 from .limits import IN_FLIGHT_BYTES, Cap
-from .readers import Entry, file_entries, is_tar, parquet_entries, tar_entries
+from .readers import Entry, ShardError, file_entries, is_tar, parquet_entries, tar_entries
 from .remote import expand_braces, filesystem, is_url, walk_files
-
-
-class ShardError(Exception):
-    """An input cannot be planned (missing, unreadable listing, missing column)."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +65,6 @@ def select(shards: list[Shard], shard: tuple[int, int] | None) -> list[Shard]:
         return shards
     i, n = shard
     return [s for s in shards if key_hash(s.key, n) == i]
-
-
-def is_image(name: str) -> bool:
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTS
 
 
 def _parquet_shards(path: str, size: int, opts: dict, shard_bytes: int) -> list[Shard]:
