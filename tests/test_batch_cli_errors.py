@@ -106,6 +106,20 @@ def test_a_store_that_cannot_be_used_is_one_line_exit_2(server, tar, tmp_path, c
     assert time.monotonic() - t0 < 60
 
 
+def test_timeout_is_the_object_stores_too():
+    pytest.importorskip("s3fs")
+    from hookserve.batch.remote import filesystem, set_store_timeout
+
+    set_store_timeout(7.0)
+    try:
+        fs, _ = filesystem("s3://lake/x.tar", {"anon": True})
+        assert fs.config_kwargs["read_timeout"] == fs.config_kwargs["connect_timeout"] == 7
+        fs, _ = filesystem("s3://lake/x.tar", {"config_kwargs": {"read_timeout": 3}})
+        assert fs.config_kwargs["read_timeout"] == 3  # the user's own setting wins
+    finally:
+        set_store_timeout(None)
+
+
 _NO_PYARROW = """
 import sys
 sys.modules["pyarrow"] = None  # as if pyarrow were not installed

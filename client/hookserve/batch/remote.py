@@ -90,6 +90,15 @@ def install_hint(url: str) -> str:
     return f"pip install 'hookserve[{extra}]'"
 
 
+#: The running command's --timeout, applied to object-store calls (S3: botocore's
+#: connect and read timeouts, unless --storage-option config_kwargs sets them).
+STORE_TIMEOUT: dict[str, float | None] = {"seconds": None}
+
+
+def set_store_timeout(seconds: float | None) -> None:
+    STORE_TIMEOUT["seconds"] = seconds
+
+
 def filesystem(url: str, storage_options: dict | None = None):
     """-> (fsspec filesystem, path within it) for a URL. Raises :class:`MissingExtra`
     when fsspec or the store's driver is not installed."""
@@ -98,8 +107,15 @@ def filesystem(url: str, storage_options: dict | None = None):
     except ImportError:
         raise MissingExtra(f"{url}: URLs need fsspec and the store's driver: "
                            f"{install_hint(url)}") from None
+    opts = dict(storage_options or {})
+    timeout = STORE_TIMEOUT["seconds"]
+    if timeout and url.split("://", 1)[0].lower() in ("s3", "s3a"):
+        config = opts.get("config_kwargs", {})
+        if isinstance(config, dict):
+            opts["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
+                                     **config}
     try:
-        return url_to_fs(url, **(storage_options or {}))
+        return url_to_fs(url, **opts)
     except ImportError as exc:  # e.g. s3fs missing for s3://
         raise MissingExtra(f"{url}: {exc}: {install_hint(url)}") from None
 

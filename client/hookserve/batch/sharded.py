@@ -34,6 +34,7 @@ from .remote import (
     is_http,
     is_url,
     parse_storage_options,
+    set_store_timeout,
 )
 from .shardrun import ShardIncomplete, ShardOutput, ShardResult, extract_shard
 from .shards import Shard, ShardError, plan_shards, select, shard_from_key
@@ -112,6 +113,7 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
     if isinstance(server, str):
         args.server = [server]
     opts = storage_options or {}
+    set_store_timeout(args.timeout)
     try:
         check_flags(args)
         if not isinstance(shard, Shard):
@@ -173,6 +175,7 @@ def probe(specs: list[str], opts: dict) -> None:
 def run_sharded(args: argparse.Namespace) -> int:
     """`hookserve batch` over input shards (see :mod:`.shardrun`); -> the exit code."""
     check_flags(args)
+    set_store_timeout(args.timeout)
     try:
         opts = parse_storage_options(args.storage_option)
         part = parse_shard(args.shard) if args.shard is not None else None
