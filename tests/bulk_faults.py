@@ -17,6 +17,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 
+from hookserve.cli import main
+
+#: Small, fast extraction flags for the bulk tests.
+OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]
+
+
+def run_batch(server, inputs: list[str], out, *extra: str) -> int:
+    """`hookserve batch INPUTS --out OUT` against `server`, with :data:`OPTS`."""
+    return main(["batch", *inputs, "--out", str(out), "--server", server.address, *OPTS,
+                 *extra])
+
 
 def tar_bytes(members: list[tuple[str, bytes]], *,
               links: dict[str, tuple[str, str]] | None = None, mode: str = "w") -> bytes:

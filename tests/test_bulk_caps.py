@@ -25,13 +25,11 @@ import pytest
 
 from hookserve.batch.errors import EXIT_INCOMPLETE
 from hookserve.batch.limits import FRAMING
-from hookserve.cli import main
 
-from bulk_faults import Web, markers, read_out, tar_bytes
+from bulk_faults import Web, markers, read_out, run_batch, tar_bytes
 from conftest import RunningServer, encode, rand_image
 
 MiB = 1 << 20
-OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]
 SERVER_LIMIT = 200_000
 GOOD = [encode(rand_image(32, 32, seed=60 + i)) for i in range(3)]
 
@@ -44,10 +42,6 @@ def small_server():
     yield s
     s.stop(2.0)
 
-
-def _run(server, inputs, out, *extra):
-    return main(["batch", *inputs, "--out", str(out), "--server", server.address, *OPTS,
-                 *extra])
 
 
 def test_describe_reports_the_servers_request_limit(small_server):
@@ -62,7 +56,7 @@ def test_an_oversized_member_fails_alone_with_the_servers_cap(small_server, tmp_
     tar.write_bytes(tar_bytes([("0.png", GOOD[0]), ("big.png", big), ("1.png", GOOD[1]),
                                ("2.png", GOOD[2])]))
     out = tmp_path / "o.parquet"
-    assert _run(small_server, [str(tar)], out) == 1, capsys.readouterr().err
+    assert run_batch(small_server, [str(tar)], out) == 1, capsys.readouterr().err
     ids, codes = read_out(str(out))
     assert sorted(ids) == [f"{tar}/{i}.png" for i in range(3)]  # the neighbours
     assert codes == {f"{tar}/big.png": "INVALID_ARGUMENT"}
@@ -84,7 +78,7 @@ def test_a_file_over_the_cap_is_refused_from_its_size(small_server, tmp_path, ca
         fh.truncate(3 << 30)
     out = tmp_path / "o.parquet"
     t0 = time.monotonic()
-    assert _run(small_server, [str(folder)], out, *(["--sharded"] if sharded else [])) == 1
+    assert run_batch(small_server, [str(folder)], out, *(["--sharded"] if sharded else [])) == 1
     assert time.monotonic() - t0 < 30
     if sharded:
         ids, codes = read_out(str(out))
@@ -110,7 +104,7 @@ def test_a_column_of_the_wrong_type_is_one_line_exit_2(small_server, tmp_path, c
                                                        column, kind):
     f = _parquet(tmp_path / "t.parquet", pa.table({"image": column}))
     t0 = time.monotonic()
-    assert _run(small_server, [f], tmp_path / "o.parquet", "--image-column", "image") == 2
+    assert run_batch(small_server, [f], tmp_path / "o.parquet", "--image-column", "image") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"column 'image' is {kind}, not image bytes" in err, err
@@ -119,7 +113,7 @@ def test_a_column_of_the_wrong_type_is_one_line_exit_2(small_server, tmp_path, c
 
 def test_an_id_column_of_the_wrong_type_is_one_line(small_server, tmp_path, capsys):
     f = _parquet(tmp_path / "t.parquet", pa.table({"image": [GOOD[0]], "k": [[1.0]]}))
-    assert _run(small_server, [f], tmp_path / "o.parquet", "--image-column", "image",
+    assert run_batch(small_server, [f], tmp_path / "o.parquet", "--image-column", "image",
                 "--id-column", "k") == 2
     assert "column 'k' is list<element: double>, not text or integers" in \
         capsys.readouterr().err
@@ -131,7 +125,7 @@ def test_parquet_cells_are_capped_and_row_groups_bounded(small_server, tmp_path,
     cells = [GOOD[0], os.urandom(SERVER_LIMIT), GOOD[1]]
     f = _parquet(tmp_path / "cells.parquet", pa.table({"image": cells}))
     out = tmp_path / "o.parquet"
-    assert _run(small_server, [f], out, "--image-column", "image") == 1
+    assert run_batch(small_server, [f], out, "--image-column", "image") == 1
     ids, codes = read_out(str(out))
     assert sorted(ids) == [f"{f}#0", f"{f}#2"] and codes == {f"{f}#1": "INVALID_ARGUMENT"}
 
@@ -140,7 +134,7 @@ def test_parquet_cells_are_capped_and_row_groups_bounded(small_server, tmp_path,
                     use_dictionary=False)
     assert os.path.getsize(bomb) < 64 << 10
     out = tmp_path / "b.parquet"
-    assert _run(small_server, [bomb], out, "--image-column", "image",
+    assert run_batch(small_server, [bomb], out, "--image-column", "image",
                 "--max-in-flight-bytes", str(4 * MiB)) == EXIT_INCOMPLETE
     ids, codes = read_out(str(out))
     assert ids == [] and set(codes.values()) == {"RESOURCE_EXHAUSTED"}
@@ -200,7 +194,7 @@ def test_http_inputs_are_streamed_capped_and_timed_out(small_server, tmp_path, c
         listing.write_text("".join(f"{u}\n" for u in want))
         out = tmp_path / "o.parquet"
         t0 = time.monotonic()
-        rc = _run(small_server, [str(listing)], out, "--listing-shards", "1",
+        rc = run_batch(small_server, [str(listing)], out, "--listing-shards", "1",
                   "--timeout", "1")
         took = time.monotonic() - t0
     finally:

@@ -15,33 +15,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hookserve.cli import main
+from bulk_faults import markers, read_out, run_batch, tar_bytes
+from conftest import encode, rand_image
 
-from bulk_faults import markers, read_out, tar_bytes
-from conftest import RunningServer, encode, rand_image
-
-OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]
 IMGS = [encode(rand_image(32, 32, seed=80 + i)) for i in range(3)]
 
 
-@pytest.fixture(scope="module")
-def det_server():
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-size", "1"])
-    yield s
-    s.stop(2.0)
-
-
-def _run(server, inputs, out, *extra):
-    return main(["batch", *inputs, "--out", str(out), "--server", server.address, *OPTS,
-                 *extra])
 
 
 def test_a_repeated_member_name_is_an_error_row(det_server, tmp_path):
     tar = tmp_path / "s.tar"
     tar.write_bytes(tar_bytes([("a.png", IMGS[0]), ("b.png", IMGS[1]), ("a.png", IMGS[2])]))
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(tar)], out) == 1  # final: the shard is done
+    assert run_batch(det_server, [str(tar)], out) == 1  # final: the shard is done
     ids, codes = read_out(str(out))
     assert sorted(ids) == [f"{tar}/a.png", f"{tar}/b.png"]
     assert codes == {f"{tar}/a.png": "ALREADY_EXISTS"}
@@ -58,7 +44,7 @@ def test_a_repeated_id_column_value_is_an_error_row(det_server, tmp_path):
     f = tmp_path / "t.parquet"
     pq.write_table(pa.table({"image": IMGS, "key": ["x", "y", "x"]}), f)
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(f)], out, "--image-column", "image", "--id-column",
+    assert run_batch(det_server, [str(f)], out, "--image-column", "image", "--id-column",
                 "key") == 1
     ids, codes = read_out(str(out))
     assert sorted(ids) == ["x", "y"] and codes == {"x": "ALREADY_EXISTS"}
@@ -72,7 +58,7 @@ def test_a_file_named_twice_is_listed_once(det_server, tmp_path):
     listing = tmp_path / "list.txt"
     listing.write_text(f"{folder}/0.png\n{folder}/0.png\n{folder}/1.png\n")
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(folder), str(folder / "*.png"), str(listing)], out,
+    assert run_batch(det_server, [str(folder), str(folder / "*.png"), str(listing)], out,
                 "--sharded", "--listing-shards", "2") == 0
     ids, codes = read_out(str(out))
     assert sorted(ids) == sorted(str(folder / f"{i}.png") for i in range(3)) and not codes
@@ -88,7 +74,7 @@ def test_link_members_get_rows_in_plain_and_compressed_tars(det_server, tmp_path
                                      "hard.jpg": ("hard", "1.png"),
                                      "meta.json": ("sym", "0.png")}))  # not an image
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(tar)], out) == 1
+    assert run_batch(det_server, [str(tar)], out) == 1
     ids, codes = read_out(str(out))
     assert sorted(ids) == [f"{tar}/0.png", f"{tar}/1.png"]
     assert codes == {f"{tar}/sym.png": "INVALID_ARGUMENT",

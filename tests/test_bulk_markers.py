@@ -19,27 +19,14 @@ import pytest
 from hookserve.batch import run_shard
 from hookserve.batch.errors import EXIT_INCOMPLETE, FINAL_CODES, is_final
 from hookserve.batch.shardrun import ShardIncomplete
-from hookserve.cli import main
 
-from bulk_faults import FaultyFS, markers, read_out, tar_bytes
-from conftest import RunningServer, encode, rand_image
+from bulk_faults import FaultyFS, markers, read_out, run_batch, tar_bytes
+from conftest import encode, rand_image
 
-OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]
 IMAGES = [(f"{i:03d}.png", encode(rand_image(32, 32, seed=40 + i))) for i in range(4)]
 TAR = tar_bytes(IMAGES + [("000.json", b"{}")])
 
 
-@pytest.fixture(scope="module")
-def det_server():
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-size", "1"])
-    yield s
-    s.stop(2.0)
-
-
-def _run(server, inputs, out, *extra):
-    return main(["batch", *inputs, "--out", str(out), "--server", server.address, *OPTS,
-                 *extra])
 
 
 def _cuts(data: bytes) -> dict[str, int]:
@@ -61,7 +48,7 @@ def test_a_cut_tar_gets_no_marker_and_is_redone_once_whole(det_server, tmp_path,
     tar = tmp_path / "s.tar"
     tar.write_bytes(TAR[:cut])
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(tar)], out) == EXIT_INCOMPLETE
+    assert run_batch(det_server, [str(tar)], out) == EXIT_INCOMPLETE
     err = capsys.readouterr().err
     assert f"not finished: {tar}" in err, err
     assert markers(str(out)) == {}
@@ -69,7 +56,7 @@ def test_a_cut_tar_gets_no_marker_and_is_redone_once_whole(det_server, tmp_path,
     assert codes[f"{tar}/"] in ("DATA_LOSS", "UNAVAILABLE")
     assert all(not is_final(c) for i, c in codes.items() if i.endswith("/"))
     tar.write_bytes(TAR)  # the whole tar arrives
-    assert _run(det_server, [str(tar)], out) == 0, capsys.readouterr().err
+    assert run_batch(det_server, [str(tar)], out) == 0, capsys.readouterr().err
     ids, codes = read_out(str(out))
     assert sorted(ids) == [f"{tar}/{n}" for n, _ in IMAGES] and codes == {}
     assert list(markers(str(out))) == [str(tar)]
@@ -82,11 +69,11 @@ def test_a_compressed_tar_is_read_and_one_cut_short_is_not_done(det_server, tmp_
     tar = tmp_path / f"s.{ext}"
     tar.write_bytes(data[:len(data) // 2])
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(tar)], out) == EXIT_INCOMPLETE
+    assert run_batch(det_server, [str(tar)], out) == EXIT_INCOMPLETE
     assert markers(str(out)) == {}
     assert read_out(str(out))[1][f"{tar}/"] == "DATA_LOSS"
     tar.write_bytes(data)
-    assert _run(det_server, [str(tar)], out) == 0, capsys.readouterr().err
+    assert run_batch(det_server, [str(tar)], out) == 0, capsys.readouterr().err
     assert sorted(read_out(str(out))[0]) == [f"{tar}/{n}" for n, _ in IMAGES]
 
 
@@ -94,12 +81,12 @@ def test_a_shard_not_there_yet_is_an_error_then_done(det_server, tmp_path, capsy
     tars = [tmp_path / f"{i}.tar" for i in range(2)]
     tars[0].write_bytes(TAR)
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(tmp_path / "{0..1}.tar")], out) == EXIT_INCOMPLETE
+    assert run_batch(det_server, [str(tmp_path / "{0..1}.tar")], out) == EXIT_INCOMPLETE
     err = capsys.readouterr().err
     assert f"not finished: {tars[1]}: NOT_FOUND" in err, err
     assert list(markers(str(out))) == [str(tars[0])]
     tars[1].write_bytes(TAR)  # it appears
-    assert _run(det_server, [str(tmp_path / "{0..1}.tar")], out) == 0
+    assert run_batch(det_server, [str(tmp_path / "{0..1}.tar")], out) == 0
     assert "skipped 1" in capsys.readouterr().err
     ids, _ = read_out(str(out))
     assert len(ids) == 2 * len(IMAGES) == len(set(ids))
@@ -117,10 +104,10 @@ def test_a_store_that_fails_leaves_the_shard_open(det_server, tmp_path, capsys, 
     fs.pipe("/lake/a.tar", TAR)
     FaultyFS.faults[fs._strip_protocol("faulty://lake/a.tar")] = dict(fault)
     out = tmp_path / "o.parquet"
-    assert _run(det_server, ["faulty://lake/a.tar"], out) == EXIT_INCOMPLETE
+    assert run_batch(det_server, ["faulty://lake/a.tar"], out) == EXIT_INCOMPLETE
     assert "not finished: faulty://lake/a.tar" in capsys.readouterr().err
     assert markers(str(out)) == {}
-    assert _run(det_server, ["faulty://lake/a.tar"], out) == 0  # the fault has passed
+    assert run_batch(det_server, ["faulty://lake/a.tar"], out) == 0  # the fault has passed
     assert sorted(read_out(str(out))[0]) == [f"faulty://lake/a.tar/{n}" for n, _ in IMAGES]
 
 
@@ -129,7 +116,7 @@ def test_a_missing_extra_is_not_final(det_server, tmp_path, capsys):
     if _has("gcsfs"):
         pytest.skip("gcsfs is installed")
     # the command line says which pip install fixes it, before any work
-    assert _run(det_server, ["gs://lake/a.tar"], tmp_path / "o.parquet") == 2
+    assert run_batch(det_server, ["gs://lake/a.tar"], tmp_path / "o.parquet") == 2
     err = capsys.readouterr().err.strip()
     assert "pip install 'hookserve[gcs]'" in err and len(err.splitlines()) == 1, err
     # one shard from Python: an error row that is not final, and no marker
@@ -156,10 +143,10 @@ def test_resource_exhausted_is_not_final(det_server, make_server, tmp_path, caps
     tar = tmp_path / "s.tar"
     tar.write_bytes(TAR)
     out = tmp_path / "o.npy"  # fc and layer1 (64x8x8, 16 KB an answer: over 8000 bytes)
-    assert _run(small, [str(tar)], out, "--layers", "layer1") == EXIT_INCOMPLETE
+    assert run_batch(small, [str(tar)], out, "--layers", "layer1") == EXIT_INCOMPLETE
     assert "RESOURCE_EXHAUSTED" in capsys.readouterr().err
     assert markers(str(out)) == {}
-    assert _run(det_server, [str(tar)], out, "--layers", "layer1") == 0
+    assert run_batch(det_server, [str(tar)], out, "--layers", "layer1") == 0
     assert markers(str(out))[str(tar)]["rows"] == len(IMAGES)
 
 
@@ -167,7 +154,7 @@ def test_final_failures_alone_give_a_marker(det_server, tmp_path):
     tar = tmp_path / "s.tar"
     tar.write_bytes(tar_bytes(IMAGES + [("bad.png", b"not an image")]))
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(tar)], out) == 1
+    assert run_batch(det_server, [str(tar)], out) == 1
     m = markers(str(out))[str(tar)]
     assert (m["rows"], m["failed"]) == (len(IMAGES), 1)
     assert read_out(str(out))[1] == {f"{tar}/bad.png": "INVALID_ARGUMENT"}
@@ -183,7 +170,7 @@ def test_a_marker_whose_part_is_gone_is_ignored(det_server, tmp_path, capsys, da
     tar = tmp_path / "s.tar"
     tar.write_bytes(TAR)
     out = tmp_path / "o.parquet"
-    assert _run(det_server, [str(tar)], out) == 0
+    assert run_batch(det_server, [str(tar)], out) == 0
     (marker,) = [out / n for n in os.listdir(out) if n.startswith("_done-")]
     (part,) = [out / n for n in os.listdir(out) if n.startswith("part-")]
     if damage == "delete-part":
@@ -195,12 +182,12 @@ def test_a_marker_whose_part_is_gone_is_ignored(det_server, tmp_path, capsys, da
     else:
         marker.write_text(json.dumps({**json.loads(marker.read_text()), "shard": "x.tar"}))
     capsys.readouterr()
-    assert _run(det_server, [str(tar)], out) == 0
+    assert run_batch(det_server, [str(tar)], out) == 0
     err = capsys.readouterr().err
     assert "it is done again" in err and "skipped 0" in err, err
     ids, _ = read_out(str(out))
     assert sorted(ids) == [f"{tar}/{n}" for n, _ in IMAGES]
-    assert _run(det_server, [str(tar)], out) == 0
+    assert run_batch(det_server, [str(tar)], out) == 0
     assert "skipped 1" in capsys.readouterr().err  # now it is trusted again
 
 
@@ -212,9 +199,9 @@ def test_a_finished_shard_drops_what_an_earlier_try_left(det_server, tmp_path):
     fs.pipe("/lake/b.tar", TAR)
     FaultyFS.faults[fs._strip_protocol("faulty://lake/b.tar")] = {"cut": 3000}
     out = tmp_path / "o.npy"
-    assert _run(det_server, ["faulty://lake/b.tar"], out) == EXIT_INCOMPLETE
+    assert run_batch(det_server, ["faulty://lake/b.tar"], out) == EXIT_INCOMPLETE
     assert any(n.startswith("_errors-") for n in os.listdir(out))
-    assert _run(det_server, ["faulty://lake/b.tar"], out) == 0
+    assert run_batch(det_server, ["faulty://lake/b.tar"], out) == 0
     names = os.listdir(out)
     assert not any(n.startswith("_errors-") for n in names)
     (m,) = markers(str(out)).values()

@@ -22,22 +22,14 @@ import pytest
 
 from hookserve.cli import main
 
-from bulk_faults import Web, markers, tar_bytes
-from conftest import RunningServer, encode, rand_image
+from bulk_faults import OPTS, Web, markers, tar_bytes
+from conftest import encode, rand_image
 
-OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]
 N_TARS, PER_TAR = 4, 6
 TARS = [tar_bytes([(f"{t}-{i}.png", encode(rand_image(32, 32, seed=t * 10 + i)))
                    for i in range(PER_TAR)] + [(f"{t}-bad.png", b"not an image")])
         for t in range(N_TARS)]
 
-
-@pytest.fixture(scope="module")
-def det_server():
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-size", "1"])
-    yield s
-    s.stop(2.0)
 
 
 def _rows(out: str, fs=None) -> dict[str, np.ndarray]:
@@ -91,8 +83,8 @@ class _Http:
 class _S3:
     def __init__(self, tmp_path, s3):
         for t, data in enumerate(TARS):
-            s3.pipe(f"resume/in/{t}.tar", data)
-        self.spec = "s3://resume/in/{0..3}.tar"
+            s3.pipe(f"lake/resume/{t}.tar", data)
+        self.spec = "s3://lake/resume/{0..3}.tar"
         self.fs = s3
 
     def stage(self, held: int | None) -> None:
@@ -100,30 +92,6 @@ class _S3:
 
     def close(self) -> None:
         pass
-
-
-@pytest.fixture
-def s3():
-    s3fs = pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    srv.start()
-    host, port = srv.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem()
-    fs.mkdir("resume")
-    yield fs
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    s3fs.S3FileSystem.clear_instance_cache()
-    srv.stop()
 
 
 @pytest.mark.parametrize("where", ["local", "http", pytest.param("s3", marks=pytest.mark.slow)])
