@@ -25,8 +25,9 @@ import pytest
 
 from hookserve.batch.errors import EXIT_INCOMPLETE
 from hookserve.batch.limits import FRAMING
+from hookserve.batch.readers import FIRST_READ
 
-from bulk_faults import Web, markers, read_out, run_batch, tar_bytes
+from bulk_faults import FaultyFS, Web, markers, read_out, run_batch, tar_bytes
 from conftest import RunningServer, encode, rand_image
 
 MiB = 1 << 20
@@ -204,6 +205,48 @@ def test_http_inputs_are_streamed_capped_and_timed_out(small_server, tmp_path, c
     ids, codes = read_out(str(out))
     assert sorted(ids) == sorted(u for u, c in want.items() if c == "OK")
     assert codes == {u: c for u, c in want.items() if c != "OK"}
+
+
+# ------------------------------------------------------------------ the byte budget
+def test_a_one_byte_budget_still_reads_every_input_once(det_server, tmp_path):
+    """--max-in-flight-bytes 1: one input at a time (each larger than the budget goes
+    alone); every row is there, equal to a run without the limit."""
+    members = [(f"{i}.png", encode(rand_image(32, 32, seed=90 + i))) for i in range(5)]
+    tar = tmp_path / "s.tar"
+    tar.write_bytes(tar_bytes(members))
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for name, data in members:
+        (folder / name).write_bytes(data)
+    for src, sharded in ((str(tar), []), (str(folder), ["--sharded"])):
+        outs = []
+        for budget in ("1", str(1 << 30)):
+            out = tmp_path / f"o{len(outs)}{sharded}.parquet"
+            assert run_batch(det_server, [src], out, "--max-in-flight-bytes", budget,
+                             *sharded) == 0
+            t = pq.read_table(out)
+            outs.append(dict(zip(t.column("id").to_pylist(), t.column("fc").to_pylist(),
+                                 strict=True)))
+        assert len(outs[0]) == 5 and outs[0] == outs[1]
+
+
+def test_an_object_of_unknown_size_is_read_again_when_larger(det_server, tmp_path):
+    """A URL from a list (no size known) is first asked for 4 MiB; a larger one is
+    read again with the cap reserved, and extracted."""
+    FaultyFS.reset()
+    fs = FaultyFS()
+    big = encode(np.random.default_rng(3).integers(0, 256, (1000, 1500, 3), np.uint8))
+    assert len(big) > FIRST_READ
+    fs.pipe("/lake/big.png", big)
+    fs.pipe("/lake/small.png", GOOD[0])
+    listing = tmp_path / "urls.txt"
+    listing.write_text("faulty://lake/big.png\nfaulty://lake/small.png\n")
+    out = tmp_path / "o.parquet"
+    assert run_batch(det_server, [str(listing)], out, "--listing-shards", "1") == 0
+    assert sorted(read_out(str(out))[0]) == ["faulty://lake/big.png",
+                                             "faulty://lake/small.png"]
+    assert FaultyFS.opened.count("/lake/big.png") == 2
+    assert FaultyFS.opened.count("/lake/small.png") == 1
 
 
 # ----------------------------------------------------------------------------- memory
