@@ -93,11 +93,14 @@ def no_s3_endpoint(monkeypatch):
     (["LOCAL"], "s3://lake/out.parquet", [], "cannot use the output s3://lake/out.parquet"),
     (["s3://lake/0.tar"], "o.parquet", ["--storage-option", "no_such_option=1"],
      "bad --storage-option"),
-], ids=["tars", "prefix", "output", "unknown-option"])
+    (["LIST"], "o.parquet", [], "cannot reach s3://lake/a.png"),
+], ids=["tars", "prefix", "output", "unknown-option", "url-list"])
 def test_a_store_that_cannot_be_used_is_one_line_exit_2(server, tar, tmp_path, capsys,
                                                         no_s3_endpoint, inputs, out,
                                                         extra, words):
-    inputs = [tar if i == "LOCAL" else i for i in inputs]
+    listing = tmp_path / "urls.txt"
+    listing.write_text("s3://lake/a.png\ns3://lake/b.png\n")
+    inputs = [{"LOCAL": tar, "LIST": str(listing)}.get(i, i) for i in inputs]
     out = out if "://" in out else str(tmp_path / out)
     t0 = time.monotonic()
     err = _one_line_exit_2(capsys, ["batch", *inputs, "--out", out, "--server",

@@ -306,3 +306,25 @@ def test_sigterm_stops_a_sharded_run_with_130(det_server, tmp_path):
     assert main(["batch", str(tmp_path / "{0..3}.tar"), "--out", str(out), "--server",
                  det_server.address, *OPTS]) == 0
     assert len(pq.read_table(out).column("id")) == 100
+
+
+def test_empty_and_missing_objects_on_s3(det_server, s3, tmp_path, capsys):
+    """An empty object (its ranged GET is refused as not satisfiable) is an empty image:
+    a final INVALID_ARGUMENT row; a missing one (whose name holds "range") is NOT_FOUND,
+    which keeps its shard open."""
+    s3.pipe("lake/e/empty.png", b"")
+    s3.pipe("lake/e/ok.png", encode(rand_image(32, 32, seed=5)))
+    listing = tmp_path / "urls.txt"
+    listing.write_text("s3://lake/e/empty.png\ns3://lake/e/ok.png\ns3://lake/e/orange.png\n")
+    out = tmp_path / "o.parquet"
+    assert main(["batch", str(listing), "--listing-shards", "1", "--out", str(out),
+                 "--server", det_server.address, *OPTS]) == 3, capsys.readouterr().err
+    rows, _ = read_out(None, str(out))
+    assert list(rows) == ["s3://lake/e/ok.png"]
+    codes = {}
+    for n in os.listdir(out):
+        if n.startswith("_errors-"):
+            with open(out / n, newline="") as fh:
+                codes.update({r["id"]: r["code"] for r in csv.DictReader(fh)})
+    assert codes == {"s3://lake/e/empty.png": "INVALID_ARGUMENT",
+                     "s3://lake/e/orange.png": "NOT_FOUND"}

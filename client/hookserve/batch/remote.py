@@ -169,8 +169,10 @@ def read_object(url: str, opts: dict, cap, bound: int, timeout: float) -> bytes:
         fs, path = filesystem(url, opts)
         try:
             data = fs.cat_file(path, start=0, end=bound + 1)  # one ranged GET
-        except OSError as exc:
-            if "range" not in str(exc).lower():  # 416: a range of an empty object
+        except OSError as exc:  # 416, "range not satisfiable": the object is empty
+            text = str(exc).lower()
+            if isinstance(exc, FileNotFoundError) or not (
+                    "not satisfiable" in text or "invalidrange" in text):
                 raise
             data = b""
     except (errors.HookserveError, NeedMore):

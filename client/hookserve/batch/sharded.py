@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import signal
 import sys
@@ -148,28 +149,37 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
             client.close()
 
 
+def _store_urls(specs: list[str]) -> dict[tuple, str]:
+    """One URL per object store (scheme and bucket) the inputs name, lists included."""
+    from .inputs import LIST_EXTS, list_file
+
+    found: dict[tuple, str] = {}
+    for spec in specs:
+        urls = expand_braces(spec)[:1]
+        if os.path.splitext(spec)[1].lower() in LIST_EXTS and os.path.isfile(spec):
+            urls = list_file(spec)
+        for url in urls:
+            if is_url(url) and not is_http(url):
+                found.setdefault(tuple(url.split("/", 3)[:3]), url)
+    return found
+
+
 def probe(specs: list[str], opts: dict) -> None:
     """One cheap request per object store the inputs name (not http(s)): a missing
     extra, a bad --storage-option or a store that cannot be reached stops the run
     here, with exit code 2 and one line. A shard that does not exist yet is no error."""
-    seen = set()
-    for spec0 in specs:
-        for url in expand_braces(spec0)[:1]:
-            root = tuple(url.split("/", 3)[:3])  # scheme and bucket
-            if not is_url(url) or is_http(url) or root in seen:
-                continue
-            seen.add(root)
-            try:
-                fs, path = filesystem(url, opts)
-                fs.info(path)
-            except FileNotFoundError:
-                continue
-            except MissingExtra as exc:
-                raise Abort(str(exc)) from None
-            except (TypeError, ValueError) as exc:
-                raise Abort(f"{url}: bad --storage-option: {_one_line(exc)}") from None
-            except Exception as exc:  # noqa: BLE001 - e.g. an endpoint nothing listens on
-                raise Abort(f"cannot reach {url}: {_one_line(exc)}") from None
+    for url in _store_urls(specs).values():
+        try:
+            fs, path = filesystem(url, opts)
+            fs.info(path)
+        except FileNotFoundError:
+            continue
+        except MissingExtra as exc:
+            raise Abort(str(exc)) from None
+        except (TypeError, ValueError) as exc:
+            raise Abort(f"{url}: bad --storage-option: {_one_line(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - e.g. an endpoint nothing listens on
+            raise Abort(f"cannot reach {url}: {_one_line(exc)}") from None
 
 
 def run_sharded(args: argparse.Namespace) -> int:
