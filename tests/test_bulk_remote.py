@@ -328,3 +328,22 @@ def test_empty_and_missing_objects_on_s3(det_server, s3, tmp_path, capsys):
                 codes.update({r["id"]: r["code"] for r in csv.DictReader(fh)})
     assert codes == {"s3://lake/e/empty.png": "INVALID_ARGUMENT",
                      "s3://lake/e/orange.png": "NOT_FOUND"}
+
+
+def test_a_table_of_urls_is_a_sharded_run(det_server, tmp_path, capsys):
+    """A .csv whose path column holds URLs is read like a list of them: no --sharded,
+    and no URL is mistaken for a local path."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for i in range(2):
+        fs.pipe(f"/tablepics/{i}.png", encode(rand_image(32, 32, seed=960 + i)))
+        urls.append(f"memory://tablepics/{i}.png")
+    table = tmp_path / "t.csv"
+    table.write_text("url,label\n" + "".join(f"{u},{i}\n" for i, u in enumerate(urls)))
+    out = tmp_path / "o.parquet"
+    assert main(["batch", str(table), "--path-column", "url", "--out", str(out),
+                 "--server", det_server.address, *OPTS]) == 0, capsys.readouterr().err
+    rows, errs = read_out(None, str(out))
+    assert sorted(rows) == urls and errs == []

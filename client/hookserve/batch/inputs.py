@@ -68,6 +68,21 @@ def list_file(path: str) -> Iterator[str]:
                 yield line
 
 
+def listed_paths(spec: str, path_column: str = "path",
+                 image_column: str | None = None) -> list[str] | None:
+    """The paths or URLs a local list (.txt/.lst) or path table (.csv/.tsv/.parquet,
+    its `path_column`) names; None when `spec` is neither (a Parquet file is a table
+    of images, not of paths, when `image_column` is given)."""
+    ext = os.path.splitext(spec)[1].lower()
+    if not os.path.isfile(spec) or (image_column and ext == ".parquet"):
+        return None
+    if ext in LIST_EXTS:
+        return list(list_file(spec))
+    if ext in TABLE_EXTS:
+        return _table(spec, path_column)
+    return None
+
+
 def _table(path: str, column: str) -> list[str]:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import signal
 import sys
@@ -25,7 +24,7 @@ from .errors import (
     EXIT_SOME_FAILED,
     Abort,
 )
-from .inputs import MAX_FILE_BYTES, parse_shard
+from .inputs import MAX_FILE_BYTES, InputError, parse_shard
 from .intake import Interrupted
 from .limits import IN_FLIGHT_BYTES, ByteBudget, Cap, check_flags
 from .remote import (
@@ -51,7 +50,7 @@ DEFAULTS = {
     "max_in_flight_bytes": IN_FLIGHT_BYTES, "retries": 5, "max_in_flight": 128,
     "streams": 4, "timeout": 60.0, "ca": None, "cert": None, "key": None,
     "token_file": None, "storage_option": [], "shard": None, "sharded": True,
-    "progress": None, "dry_run": False,
+    "progress": None, "dry_run": False, "path_column": "path",
 }
 #: Shards named one by one when a run leaves shards open.
 NAMED = 20
@@ -119,7 +118,8 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
         check_flags(args)
         if not isinstance(shard, Shard):
             shard = shard_from_key(shard, opts, image_column=args.image_column,
-                                   listing_shards=args.listing_shards)
+                                   listing_shards=args.listing_shards,
+                                   path_column=args.path_column)
         layer_objs = parse_layers(args.layers, args.reduction, args.dtype,
                                   args.l2_normalize)
     except Abort as exc:
@@ -149,26 +149,24 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
             client.close()
 
 
-def _store_urls(specs: list[str]) -> dict[tuple, str]:
+def _store_urls(specs: list[str], path_column: str) -> dict[tuple, str]:
     """One URL per object store (scheme and bucket) the inputs name, lists included."""
-    from .inputs import LIST_EXTS, list_file
+    from .inputs import listed_paths
 
     found: dict[tuple, str] = {}
     for spec in specs:
-        urls = expand_braces(spec)[:1]
-        if os.path.splitext(spec)[1].lower() in LIST_EXTS and os.path.isfile(spec):
-            urls = list_file(spec)
+        urls = listed_paths(spec, path_column) or expand_braces(spec)[:1]
         for url in urls:
             if is_url(url) and not is_http(url):
                 found.setdefault(tuple(url.split("/", 3)[:3]), url)
     return found
 
 
-def probe(specs: list[str], opts: dict) -> None:
+def probe(specs: list[str], opts: dict, path_column: str = "path") -> None:
     """One cheap request per object store the inputs name (not http(s)): a missing
     extra, a bad --storage-option or a store that cannot be reached stops the run
     here, with exit code 2 and one line. A shard that does not exist yet is no error."""
-    for url in _store_urls(specs).values():
+    for url in _store_urls(specs, path_column).values():
         try:
             fs, path = filesystem(url, opts)
             fs.info(path)
@@ -189,11 +187,11 @@ def run_sharded(args: argparse.Namespace) -> int:
     try:
         opts = parse_storage_options(args.storage_option)
         part = parse_shard(args.shard) if args.shard is not None else None
-        probe(args.inputs, opts)
+        probe(args.inputs, opts, args.path_column)
         shards = plan_shards(args.inputs, image_column=args.image_column,
                              listing_shards=args.listing_shards, shard_bytes=args.shard_bytes,
-                             storage_options=opts)
-    except (ShardError, ValueError, OutputError, MissingExtra) as exc:
+                             storage_options=opts, path_column=args.path_column)
+    except (ShardError, ValueError, OutputError, MissingExtra, InputError) as exc:
         raise Abort(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a listing the store refused
         raise Abort(f"cannot list the inputs: {_one_line(exc)}") from None

@@ -61,20 +61,19 @@ def wants_shards(args: argparse.Namespace) -> bool:
         return True
     if is_url(args.out):
         return True
-    return any(is_url(s) or any(is_tar(x) or _lists_urls(x) for x in expand_braces(s))
+    return any(is_url(s) or any(is_tar(x) or _lists_urls(x, args) for x in expand_braces(s))
                for s in args.inputs)
 
 
-def _lists_urls(path: str) -> bool:
-    """A local .txt/.lst list with a URL in it."""
-    from .inputs import LIST_EXTS, list_file
+def _lists_urls(path: str, args) -> bool:
+    """A local list or path table with a URL in it."""
+    from .inputs import InputError, listed_paths
 
-    if os.path.splitext(path)[1].lower() not in LIST_EXTS or not os.path.isfile(path):
-        return False
     try:
-        return any(is_url(line) for line in list_file(path))
-    except OSError:
-        return False
+        names = listed_paths(path, getattr(args, "path_column", "path"))
+    except (OSError, InputError):
+        return False  # the plain run names the problem
+    return any(is_url(n) for n in names or ())
 
 
 @dataclass

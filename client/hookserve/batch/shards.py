@@ -29,7 +29,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .inputs import LIST_EXTS, encode_name, is_image, list_file
+from .inputs import encode_name, is_image, listed_paths
 from .limits import IN_FLIGHT_BYTES, Cap
 from .readers import Entry, ShardError, file_entries, is_tar, parquet_entries, tar_entries
 from .remote import expand_braces, filesystem, is_url, walk_files
@@ -109,8 +109,11 @@ def _listing(spec: str, opts: dict) -> list[tuple[str, int]]:
 
 def plan_shards(specs: list[str], *, image_column: str | None = None,
                 listing_shards: int = 64, shard_bytes: int = 256 << 20,
-                storage_options: dict | None = None) -> list[Shard]:
-    """Every input shard the inputs name, sorted by key (see the module doc)."""
+                storage_options: dict | None = None, path_column: str = "path"
+                ) -> list[Shard]:
+    """Every input shard the inputs name, sorted by key (see the module doc). A list
+    (.txt/.lst) or path table (.csv/.tsv/.parquet, its `path_column`) names paths and
+    URLs, one shard per hash bucket of them."""
     if listing_shards < 1:
         raise ValueError(f"listing_shards must be at least 1, got {listing_shards}")
     opts = storage_options or {}
@@ -122,9 +125,10 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
                 shards.setdefault(spec, Shard(spec, "tar", spec))  # named: no request
                 continue
             files: dict[str, int] = {}
-            from_list = os.path.splitext(spec)[1].lower() in LIST_EXTS and os.path.isfile(spec)
-            if from_list:
-                listed = [(p, -1) for p in list_file(spec)]  # paths or URLs, one a line
+            names = listed_paths(spec, path_column, image_column)
+            from_list = names is not None
+            if names is not None:
+                listed = [(p, -1) for p in names]  # paths or URLs
             elif is_url(spec) and is_image(spec) and not _glob.has_magic(spec):
                 listed = [(spec, -1)]  # one image: no listing (http has none)
             else:
@@ -151,7 +155,8 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,
-                   image_column: str | None = None, listing_shards: int = 64) -> Shard:
+                   image_column: str | None = None, listing_shards: int = 64,
+                   path_column: str = "path") -> Shard:
     """The shard a key names (what :func:`plan_shards` printed or stored)."""
     base, sep, rest = key.rpartition("#")
     if sep and rest.startswith("rg="):
@@ -163,7 +168,7 @@ def shard_from_key(key: str, storage_options: dict | None = None, *,
     if sep and "/" in rest and rest.replace("/", "").isdigit():
         b, n = (int(x) for x in rest.split("/"))
         for s in plan_shards([base], image_column=image_column, listing_shards=n,
-                             storage_options=storage_options):
+                             storage_options=storage_options, path_column=path_column):
             if s.key == key:
                 return s
         return Shard(key, "files", base)  # an empty bucket
