@@ -24,8 +24,9 @@ EXIT_HELP = f"""\
 exit codes:
   {EXIT_OK}    every image was written (or was already in the output)
   {EXIT_SOME_FAILED}    the run finished but some images failed: see the errors file
-  {EXIT_CANNOT_PROCEED}    the run could not proceed: bad arguments, no input, no server
-       reachable, unknown model/layer, output written with other settings or locked
+  {EXIT_CANNOT_PROCEED}    the run could not proceed (one line on stderr): bad arguments or
+       storage options, no input, no server or store reachable, a missing extra,
+       unknown model/layer, output written with other settings or locked
   {EXIT_INCOMPLETE}    sharded run: some shards have no done marker (an input not found yet,
        a network error, overload, a cut tar...): run the same command again
   {EXIT_INTERRUPTED}  interrupted (SIGINT/SIGTERM): what was done is saved; run again
@@ -45,13 +46,13 @@ resume: run the same command again. Images already written are skipped (matched 
 path, and checked against the file's size and mtime); failed and missing images are
 tried again. kill -9 loses at most the images in flight.
 
-sharded runs (a URL, .tar/.tar.gz or URL-list input, --image-column, a URL --out, or
---sharded): each input shard (a WebDataset tar, a Parquet file or row group, a hash
-bucket of a listing) writes one part, then _errors-<sid>.csv (if any failed), then,
-only when every input is accounted for, _done-<sid>.json into the --out folder
-(.parquet dataset or .npy folder, local or s3://, gs://...). Shards with a valid
-marker are skipped on the next run; workers with different --shard share one --out.
-See docs/batch.md and docs/scale-out.md.
+sharded runs (a URL, a .tar/.tar.gz, or a list or table of URLs as input,
+--image-column, a URL --out, or --sharded): each input shard (a WebDataset tar, a
+Parquet file or row group, a hash bucket of a listing) writes one part, then
+_errors-<sid>.csv (if any failed), then, only when every input is accounted for,
+_done-<sid>.json into the --out folder (.parquet dataset or .npy folder, local or
+s3://, gs://...). Shards with a valid marker are skipped on the next run; workers
+with different --shard share one --out. See docs/batch.md and docs/scale-out.md.
 """
 
 
@@ -139,8 +140,8 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help="count the inputs (and those already in --out) and exit; contacts "
                         "no server")
     g = p.add_argument_group(
-        "sharded runs (inputs that are URLs, tars (.tar, .tar.gz, .tgz...) or lists of "
-        "URLs, --image-column, a URL --out, or --sharded)")
+        "sharded runs (inputs that are URLs, tars (.tar, .tar.gz, .tgz...) or lists or "
+        "tables of URLs, --image-column, a URL --out, or --sharded)")
     g.add_argument("--sharded", action="store_true",
                    help="treat the inputs as shards (one output part and done marker "
                         "each) even when they are all local")
