@@ -140,8 +140,8 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help="count the inputs (and those already in --out) and exit; contacts "
                         "no server")
     g = p.add_argument_group(
-        "sharded runs (inputs that are URLs, tars (.tar, .tar.gz, .tgz...) or lists or "
-        "tables of URLs, --image-column, a URL --out, or --sharded)")
+        "sharded runs (URLs, tars, lists or tables of URLs, --image-column, a URL --out, "
+        "--sharded)")
     g.add_argument("--sharded", action="store_true",
                    help="treat the inputs as shards (one output part and done marker "
                         "each) even when they are all local")
