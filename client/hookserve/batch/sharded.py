@@ -149,24 +149,26 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
             client.close()
 
 
-def _store_urls(specs: list[str], path_column: str) -> dict[tuple, str]:
+def _store_urls(specs: list[str], path_column: str, image_column: str | None
+                ) -> dict[tuple, str]:
     """One URL per object store (scheme and bucket) the inputs name, lists included."""
     from .inputs import listed_paths
 
     found: dict[tuple, str] = {}
     for spec in specs:
-        urls = listed_paths(spec, path_column) or expand_braces(spec)[:1]
+        urls = listed_paths(spec, path_column, image_column) or expand_braces(spec)[:1]
         for url in urls:
             if is_url(url) and not is_http(url):
                 found.setdefault(tuple(url.split("/", 3)[:3]), url)
     return found
 
 
-def probe(specs: list[str], opts: dict, path_column: str = "path") -> None:
+def probe(specs: list[str], opts: dict, path_column: str = "path",
+          image_column: str | None = None) -> None:
     """One cheap request per object store the inputs name (not http(s)): a missing
     extra, a bad --storage-option or a store that cannot be reached stops the run
     here, with exit code 2 and one line. A shard that does not exist yet is no error."""
-    for url in _store_urls(specs, path_column).values():
+    for url in _store_urls(specs, path_column, image_column).values():
         try:
             fs, path = filesystem(url, opts)
             fs.info(path)
@@ -187,7 +189,7 @@ def run_sharded(args: argparse.Namespace) -> int:
     try:
         opts = parse_storage_options(args.storage_option)
         part = parse_shard(args.shard) if args.shard is not None else None
-        probe(args.inputs, opts, args.path_column)
+        probe(args.inputs, opts, args.path_column, args.image_column)
         shards = plan_shards(args.inputs, image_column=args.image_column,
                              listing_shards=args.listing_shards, shard_bytes=args.shard_bytes,
                              storage_options=opts, path_column=args.path_column)
