@@ -89,6 +89,46 @@ def silent_address() -> Iterator[str]:
     sock.close()
 
 
+@pytest.fixture(scope="module")
+def det_server() -> Iterator[RunningServer]:
+    """resnet18, random weights (seed 0), --max-batch-size 1: an image's features do not
+    depend on which images shared its batch, so outputs of different runs (1 or 4
+    workers, killed and resumed) compare bit for bit."""
+    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
+                       "--max-batch-size", "1"])
+    yield s
+    s.stop(2.0)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 endpoint on loopback (a real S3 API over HTTP), announced the standard
+    way (AWS_* environment), with a bucket ``lake``. Skipped without s3fs and moto."""
+    import os
+
+    s3fs = pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    if not fs.exists("lake"):  # moto's store is per process: another module made it
+        fs.mkdir("lake")
+    yield fs
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    s3fs.S3FileSystem.clear_instance_cache()
+    srv.stop()
+
+
 def rand_image(h: int = 64, w: int = 80, seed: int = 0) -> np.ndarray:
     """A smooth-ish random HxWx3 uint8 image (compresses realistically)."""
     rng = np.random.default_rng(seed)

@@ -29,46 +29,15 @@ from hookserve.batch.remote import expand_braces, parse_storage_options
 from hookserve.batch.shards import select
 from hookserve.cli import main
 
-from conftest import RunningServer, encode, rand_image
+from conftest import encode, rand_image
 
 s3fs = pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 N_TARS, PER_TAR = 8, 25                     # 200 images
 CORRUPT = {(2, 7), (5, 19)}                 # 1%: (tar, member) with garbage bytes
 TARS = "s3://lake/shards/{000000..000007}.tar"
 OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc,layer4:avg"]
-
-
-@pytest.fixture(scope="module")
-def det_server():
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-size", "1"])
-    yield s
-    s.stop(2.0)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 endpoint on loopback, announced the standard way (AWS_* env)."""
-    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    srv.start()
-    host, port = srv.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem()
-    fs.mkdir("lake")
-    yield fs
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    s3fs.S3FileSystem.clear_instance_cache()
-    srv.stop()
 
 
 def _tar(members: list[tuple[str, bytes]]) -> bytes:
@@ -100,6 +69,8 @@ def shards(s3):
 
 def read_out(fs, root: str):
     """(rows sorted by id as {id: {layer: array}}, error ids) of a sharded output."""
+    if fs:  # runs wrote with their own filesystem instance: forget what this one listed
+        fs.invalidate_cache()
     t = pq.read_table(root, filesystem=fs) if fs else pq.read_table(root)
     ids = t.column("id").to_pylist()
     rows = {}
@@ -268,7 +239,7 @@ def test_local_tar_truncated_and_oversize_members(det_server, tmp_path, capsys):
     out = tmp_path / "o.parquet"
     rc = main(["batch", str(tmp_path / "a.tar"), "--out", str(out), "--max-file-bytes",
                "20000", "--server", det_server.address, *OPTS])
-    assert rc == 1, capsys.readouterr().err
+    assert rc == 3, capsys.readouterr().err  # cut short: no done marker, run again
     rows, errs = read_out(None, str(out))
     assert sorted(rows) == sorted(f"{tmp_path}/a.tar/{n}" for n, _ in good)
     codes = {}
@@ -278,6 +249,7 @@ def test_local_tar_truncated_and_oversize_members(det_server, tmp_path, capsys):
                 codes.update({r["id"]: r["code"] for r in csv.DictReader(fh)})
     assert codes[f"{tmp_path}/a.tar/big.png"] == "INVALID_ARGUMENT"
     assert codes[f"{tmp_path}/a.tar/"] == "DATA_LOSS"
+    assert not any(n.startswith("_done-") for n in os.listdir(out))
 
 
 def test_brace_expansion_and_storage_options():
@@ -303,8 +275,10 @@ def test_list_of_urls_and_paths_is_sharded(det_server, tmp_path, capsys):
     listing = tmp_path / "inputs.txt"
     listing.write_text("\n".join([*urls, str(local), "memory://pics/missing.png"]) + "\n")
     out = tmp_path / "o.parquet"
-    assert main(["batch", str(listing), "--sharded", "--listing-shards", "2", "--out",
-                 str(out), "--server", det_server.address, *OPTS]) == 1
+    # a URL list is a sharded run without --sharded; a URL not found yet keeps its
+    # shard open (exit 3)
+    assert main(["batch", str(listing), "--listing-shards", "2", "--out",
+                 str(out), "--server", det_server.address, *OPTS]) == 3
     rows, errs = read_out(None, str(out))
     assert sorted(rows) == sorted([*urls, str(local)])
     assert errs == ["memory://pics/missing.png"]
@@ -332,3 +306,44 @@ def test_sigterm_stops_a_sharded_run_with_130(det_server, tmp_path):
     assert main(["batch", str(tmp_path / "{0..3}.tar"), "--out", str(out), "--server",
                  det_server.address, *OPTS]) == 0
     assert len(pq.read_table(out).column("id")) == 100
+
+
+def test_empty_and_missing_objects_on_s3(det_server, s3, tmp_path, capsys):
+    """An empty object (its ranged GET is refused as not satisfiable) is an empty image:
+    a final INVALID_ARGUMENT row; a missing one (whose name holds "range") is NOT_FOUND,
+    which keeps its shard open."""
+    s3.pipe("lake/e/empty.png", b"")
+    s3.pipe("lake/e/ok.png", encode(rand_image(32, 32, seed=5)))
+    listing = tmp_path / "urls.txt"
+    listing.write_text("s3://lake/e/empty.png\ns3://lake/e/ok.png\ns3://lake/e/orange.png\n")
+    out = tmp_path / "o.parquet"
+    assert main(["batch", str(listing), "--listing-shards", "1", "--out", str(out),
+                 "--server", det_server.address, *OPTS]) == 3, capsys.readouterr().err
+    rows, _ = read_out(None, str(out))
+    assert list(rows) == ["s3://lake/e/ok.png"]
+    codes = {}
+    for n in os.listdir(out):
+        if n.startswith("_errors-"):
+            with open(out / n, newline="") as fh:
+                codes.update({r["id"]: r["code"] for r in csv.DictReader(fh)})
+    assert codes == {"s3://lake/e/empty.png": "INVALID_ARGUMENT",
+                     "s3://lake/e/orange.png": "NOT_FOUND"}
+
+
+def test_a_table_of_urls_is_a_sharded_run(det_server, tmp_path, capsys):
+    """A .csv whose path column holds URLs is read like a list of them: no --sharded,
+    and no URL is mistaken for a local path."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for i in range(2):
+        fs.pipe(f"/tablepics/{i}.png", encode(rand_image(32, 32, seed=960 + i)))
+        urls.append(f"memory://tablepics/{i}.png")
+    table = tmp_path / "t.csv"
+    table.write_text("url,label\n" + "".join(f"{u},{i}\n" for i, u in enumerate(urls)))
+    out = tmp_path / "o.parquet"
+    assert main(["batch", str(table), "--path-column", "url", "--out", str(out),
+                 "--server", det_server.address, *OPTS]) == 0, capsys.readouterr().err
+    rows, errs = read_out(None, str(out))
+    assert sorted(rows) == urls and errs == []

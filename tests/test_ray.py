@@ -82,6 +82,40 @@ def test_mapper_whole_call_failure_is_rows_not_an_exception(make_server):
     assert set(out["error_code"]) == {"UNAVAILABLE"}
 
 
+def _column(values: list) -> np.ndarray:
+    col = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        col[i] = v
+    return col
+
+
+def test_every_bad_cell_is_a_row_not_an_exception(make_server, tmp_path):
+    """Cells that are not image bytes (an integer would become a gigabyte of zeros as
+    bytes), empty cells, a cell over what the server accepts, paths that are not
+    text, and a call that fails with something other than a HookserveError."""
+    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
+                    "--max-message-bytes", "100000")
+    m = HookserveMapper(s.address, ["fc"], reduction="avg")
+    good = _images(1)[0]
+    cells = [good, 10**9, "text", None, {"path": "x.png"}, [1, 2], np.int64(7),
+             os.urandom(100_000), bytearray(good), np.frombuffer(good, np.uint8)]
+    out = m({"image": _column(cells)})
+    assert list(out["ok"]) == [True] + [False] * 7 + [True, True]
+    assert list(out["error_code"][1:8]) == ["INVALID_ARGUMENT"] * 7
+    assert "holds int, not image bytes" in out["error_message"][1]
+    assert "is empty" in out["error_message"][3] and "is empty" in out["error_message"][4]
+    assert "per-file cap" in out["error_message"][7] and \
+        "--max-message-bytes" in out["error_message"][7]
+    p = tmp_path / "0.png"
+    p.write_bytes(good)
+    out = m({"path": _column([str(p), 123, None, p])})
+    assert list(out["ok"]) == [True, False, False, True]
+    assert "holds int, not a path" in out["error_message"][1]
+    m.client.close()  # the call now raises ValueError: rows, not an exception
+    out = m({"image": _column([good, good])})
+    assert list(out["ok"]) == [False, False] and set(out["error_code"]) == {"INTERNAL"}
+
+
 def test_mapper_pickles_without_a_client(server):
     """Ray ships the class and its constructor kwargs, never a Client."""
     kwargs = {"target": server.address, "layers": LAYERS, "reduction": "avg"}

@@ -21,7 +21,11 @@ carry either encoded image bytes (column ``image``, or ``image_column=``; a Hugg
 The output is the input batch plus one column per layer (named like the layer) and
 ``ok`` (bool), ``error_code`` (a gRPC status name, ``""`` when ok) and
 ``error_message``. A failed image is a row with ``ok=False``, never an exception, so one
-bad image does not fail a Ray task. When the layer's shape is fixed (any preprocessing
+bad image does not fail a Ray task: a null cell, a cell that is not image bytes (an
+integer, text), a path that is not text, an input over the per-file cap (refused from
+its length or size before it is read or copied; the cap is `max_file_bytes` lowered to
+what the server accepts), a file or URL that cannot be read, and a failure of the whole
+call each give such rows. When the layer's shape is fixed (any preprocessing
 but ``native`` without a reduction) its column is one ``[rows, *shape]`` array, and a
 failed row holds NaN (zeros for ``bfloat16``, which arrives as uint16 bit patterns);
 otherwise the column holds one array per row and ``None`` for failed rows.
@@ -31,12 +35,14 @@ Ray itself is not imported here: install it with ``pip install 'hookserve[ray]'`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from . import errors
+from .batch.limits import Cap, file_cap
 from .client import Client
 
 __all__ = ["HookserveMapper", "read_bytes"]
@@ -46,29 +52,25 @@ DEFAULT_MAX_FILE_BYTES = 256 << 20
 
 
 def read_bytes(path: str, storage_options: dict | None = None,
-               max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
-    """The bytes of a local regular file or an fsspec URL (``s3://``, ``gs://``, ...).
+               max_bytes: int | Cap = DEFAULT_MAX_FILE_BYTES, timeout: float = 60.0) -> bytes:
+    """The bytes of a local regular file or a URL (``s3://``, ``gs://``, ``https://``...).
 
     Local files are read as `hookserve batch` reads them (only regular files, opened
     non-blocking: a FIFO or a device fails instead of hanging); anything over
-    `max_bytes` is refused. Raises a typed :class:`hookserve.HookserveError`.
+    `max_bytes` is refused from its size, unread; a URL is read with at most
+    `max_bytes` + 1 bytes asked for (http(s): streamed, each read timing out after
+    `timeout` seconds). Raises a typed :class:`hookserve.HookserveError`.
     """
     from .batch.inputs import read_bytes as read_local
+    from .batch.remote import NeedMore, is_url, read_object
 
-    if "://" not in path:
-        return read_local(path, max_bytes)
-    import fsspec
-
+    cap = max_bytes if isinstance(max_bytes, Cap) else Cap(max_bytes, "max_file_bytes")
+    if not is_url(path):
+        return read_local(path, cap.limit, cap=cap)
     try:
-        with fsspec.open(path, "rb", **(storage_options or {})) as fh:
-            data = fh.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise errors.NotFound(f"cannot read {path}: not found") from None
-    except OSError as exc:
-        raise errors.Unavailable(f"cannot read {path}: {exc}") from None
-    if len(data) > max_bytes:
-        raise errors.InvalidArgument(f"{path}: over the per-file cap of {max_bytes} bytes")
-    return data
+        return read_object(path, storage_options or {}, cap, cap.limit, timeout)
+    except NeedMore:  # cannot happen with the cap reserved; kept typed all the same
+        raise errors.InvalidArgument(f"{path}: over the per-file cap") from None
 
 
 class HookserveMapper:
@@ -83,7 +85,8 @@ class HookserveMapper:
         path_column: column with paths or URLs, used when `image_column` is absent.
         storage_options: fsspec options for URLs in `path_column`.
         max_in_flight: images sent and not yet answered per batch's stream.
-        max_file_bytes: per-file cap for `path_column` reads.
+        max_file_bytes: per-file cap for image cells and `path_column` reads, lowered to
+            what the server accepts.
         client_kwargs: further :class:`hookserve.Client` arguments (token, TLS, timeout).
     """
 
@@ -96,6 +99,7 @@ class HookserveMapper:
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  client_kwargs: dict | None = None) -> None:
         self.client = Client(target, **(client_kwargs or {}))
+        self.timeout = self.client.timeout or 60.0
         self.layers = list(layers)
         self.opts = {"model": model, "reduction": reduction, "dtype": dtype,
                      "l2_normalize": l2_normalize, "native": native, "resize": resize,
@@ -104,19 +108,20 @@ class HookserveMapper:
         self.path_column = path_column
         self.storage_options = storage_options
         self.max_in_flight = max_in_flight
-        self.max_file_bytes = max_file_bytes
         self.names = [getattr(la, "name", la) for la in self.layers]
-        self.shapes = self._fixed_shapes(model, reduction, native, resize, crop)
+        desc = self.client.describe(model, crop)
+        #: the per-file cap: max_file_bytes, lowered to what the server accepts
+        self.cap = file_cap(max_file_bytes, [desc.max_message_bytes], "max_file_bytes")
+        self.shapes = self._fixed_shapes(desc, reduction, native, resize, crop)
         self.fill = 0 if dtype == "bfloat16" else np.nan
         self.np_dtype = {"float32": np.float32, "float16": np.float16,
                          "bfloat16": np.uint16}.get(dtype, np.float32)
 
-    def _fixed_shapes(self, model, reduction, native, resize, crop) -> dict[str, tuple] | None:
+    def _fixed_shapes(self, desc, reduction, native, resize, crop) -> dict[str, tuple] | None:
         """Each layer's shape for every image, from DescribeModel; None when it varies."""
         if native or (resize and not crop):
             if reduction not in ("avg", "max"):
                 return None
-        desc = self.client.describe(model, crop)
         shapes = {}
         for la in self.layers:
             name = getattr(la, "name", la)
@@ -147,7 +152,9 @@ class HookserveMapper:
                     max_in_flight=self.max_in_flight, **self.opts):
                 i = int(r.id)
                 feats[i], errs[i] = r.features, r.error
-        except errors.HookserveError as exc:  # the whole call failed: every open row fails
+        except Exception as exc:  # noqa: BLE001 - the whole call failed: every open row fails
+            if not isinstance(exc, errors.HookserveError):
+                exc = errors.Internal(f"the call failed: {type(exc).__name__}: {exc}")
             for i in todo:
                 if feats[i] is None and errs[i] is None:
                     errs[i] = exc
@@ -166,22 +173,25 @@ class HookserveMapper:
         return out
 
     def _sources(self, cols: dict, n: int) -> tuple[list, list]:
-        """Per row: what to send (bytes), and a local error for rows that cannot be read."""
+        """Per row: what to send (bytes), and a local error for rows that cannot be read.
+        Each cell is checked (kind, then length against the cap) before it is copied."""
         sources: list[Any] = [None] * n
         failed: list[errors.HookserveError | None] = [None] * n
         if self.image_column in cols:
             for i, v in enumerate(cols[self.image_column]):
-                if isinstance(v, dict):  # Hugging Face Image feature: {"bytes", "path"}
-                    v = v.get("bytes")
-                if v is None:
-                    failed[i] = errors.InvalidArgument(
-                        f"row {i}: column {self.image_column!r} is empty")
-                else:
-                    sources[i] = bytes(v)
+                try:
+                    sources[i] = self._cell(i, v)
+                except errors.HookserveError as exc:
+                    failed[i] = exc
         elif self.path_column in cols:
             for i, p in enumerate(cols[self.path_column]):
                 try:
-                    sources[i] = read_bytes(str(p), self.storage_options, self.max_file_bytes)
+                    if not isinstance(p, (str, os.PathLike)):
+                        raise errors.InvalidArgument(
+                            f"row {i}: column {self.path_column!r} holds "
+                            f"{type(p).__name__}, not a path or URL")
+                    sources[i] = read_bytes(os.fspath(p), self.storage_options, self.cap,
+                                            self.timeout)
                 except errors.HookserveError as exc:
                     failed[i] = exc
         else:
@@ -189,6 +199,22 @@ class HookserveMapper:
                            f"{self.path_column!r} column (columns: {', '.join(cols)}); "
                            "pass image_column= or path_column=")
         return sources, failed
+
+    def _cell(self, i: int, v: Any) -> bytes:
+        """One image cell as bytes, or the typed error that makes its row."""
+        if isinstance(v, dict):  # Hugging Face Image feature: {"bytes", "path"}
+            v = v.get("bytes")
+        if v is None:
+            raise errors.InvalidArgument(f"row {i}: column {self.image_column!r} is empty")
+        if isinstance(v, np.ndarray) and v.dtype == np.uint8 and v.ndim == 1:
+            v = memoryview(v)
+        if not isinstance(v, (bytes, bytearray, memoryview)):
+            raise errors.InvalidArgument(
+                f"row {i}: column {self.image_column!r} holds {type(v).__name__}, not "
+                "image bytes")
+        size = v.nbytes if isinstance(v, memoryview) else len(v)
+        self.cap.check(size, f"row {i}'s image")
+        return v if isinstance(v, bytes) else bytes(v)
 
     def _columns(self, feats: list[dict | None], n: int) -> dict[str, Any]:
         out: dict[str, Any] = {}

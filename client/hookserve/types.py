@@ -135,6 +135,8 @@ class ModelDescription:
     #: Memory one image holds during an Attribute pass at this size (saved
     #: activations plus gradients); Attribute batches are bounded by it.
     gradient_bytes_per_image: int = 0
+    #: The largest request message the server accepts (0: not reported).
+    max_message_bytes: int = 0
 
     def layer(self, name: str) -> LayerInfo:
         for li in self.layers:
@@ -157,7 +159,7 @@ class ModelDescription:
                             li.order, tuple(li.input_shape), li.input_bytes_per_image)
                   for li in r.layers]
         return cls(ModelInfo.from_proto(r.model), (r.input_height, r.input_width), layers,
-                   r.gradient_bytes_per_image)
+                   r.gradient_bytes_per_image, r.max_message_bytes)
 
 
 def build_layers(layers: str | Layer | Sequence[str | Layer] | Mapping[str, Any], *,

@@ -119,7 +119,8 @@ class HookServer:
         self.opts = opts
         keep_large_buffers_on_heap()  # streamed chunks: see allocator.py
         self.servicer = Servicer(engine, engine.telemetry, chunk_bytes=opts.chunk_bytes,
-                                 max_streams=opts.max_streams)
+                                 max_streams=opts.max_streams,
+                                 max_message_bytes=opts.max_receive_message_bytes)
         self.stream_caps = StreamCaps(opts.max_side_streams, opts.stream_idle_seconds)
         interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []
         interceptors.append(self.stream_caps)

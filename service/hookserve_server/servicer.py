@@ -39,10 +39,12 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
     """hookserve.v1.FeatureExtractor over an Engine."""
 
     def __init__(self, engine: Engine, telemetry: Telemetry, *, chunk_bytes: int = 2 << 20,
-                 max_streams: int = 128) -> None:
+                 max_streams: int = 128, max_message_bytes: int = 0) -> None:
         self.engine = engine
         self.telemetry = telemetry
         self.chunk_bytes = chunk_bytes
+        #: the request size limit, reported by DescribeModel (0: not reported)
+        self.max_message_bytes = max_message_bytes
         self.max_streams = max_streams
         #: open streams by method ("Extract", "Attribute")
         self._active: collections.Counter[str] = collections.Counter()
@@ -153,7 +155,8 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
             return pb.DescribeModelResponse(
                 model=wire.model_info(m), input_height=h, input_width=w,
                 layers=[wire.layer_info(li) for li in layers],
-                gradient_bytes_per_image=self.engine.gradient_bytes(m, h, w))
+                gradient_bytes_per_image=self.engine.gradient_bytes(m, h, w),
+                max_message_bytes=self.max_message_bytes)
 
     @mapped
     def Extract(self, request_iterator, context):

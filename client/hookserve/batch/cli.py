@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..cli_args import add_connection_args, size_arg
 from ..tensors import DTYPE_NAMES
 from ..types import REDUCTIONS
-from .errors import EXIT_CANNOT_PROCEED, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED
+from .errors import (
+    EXIT_CANNOT_PROCEED,
+    EXIT_INCOMPLETE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+)
 from .inputs import MAX_FILE_BYTES
+from .limits import IN_FLIGHT_BYTES
 from .run import run
 from .sharded import DEFAULTS
 
@@ -16,8 +24,11 @@ EXIT_HELP = f"""\
 exit codes:
   {EXIT_OK}    every image was written (or was already in the output)
   {EXIT_SOME_FAILED}    the run finished but some images failed: see the errors file
-  {EXIT_CANNOT_PROCEED}    the run could not proceed: bad arguments, no input, no server
-       reachable, unknown model/layer, output written with other settings or locked
+  {EXIT_CANNOT_PROCEED}    the run could not proceed (one line on stderr): bad arguments or
+       storage options, no input, no server or store reachable, a missing extra,
+       unknown model/layer, output written with other settings or locked
+  {EXIT_INCOMPLETE}    sharded run: some shards have no done marker (an input not found yet,
+       a network error, overload, a cut tar...): run the same command again
   {EXIT_INTERRUPTED}  interrupted (SIGINT/SIGTERM): what was done is saved; run again
 """
 
@@ -35,13 +46,22 @@ resume: run the same command again. Images already written are skipped (matched 
 path, and checked against the file's size and mtime); failed and missing images are
 tried again. kill -9 loses at most the images in flight.
 
-sharded runs (a URL or .tar input, --image-column, a URL --out, or --sharded): each
-input shard (a WebDataset .tar, a Parquet file or row group, a hash bucket of a
-listing) writes one part, then _errors-<sid>.csv (if any failed), then _done-<sid>.json
-into the --out folder (.parquet dataset or .npy folder, local or s3://, gs://...).
-Shards with a marker are skipped on the next run; workers with different --shard
-share one --out. See docs/batch.md and docs/scale-out.md.
+sharded runs (a URL, a .tar/.tar.gz, or a list or table of URLs as input,
+--image-column, a URL --out, or --sharded): each input shard (a WebDataset tar, a
+Parquet file or row group, a hash bucket of a listing) writes one part, then
+_errors-<sid>.csv (if any failed), then, only when every input is accounted for,
+_done-<sid>.json into the --out folder (.parquet dataset or .npy folder, local or
+s3://, gs://...). Shards with a valid marker are skipped on the next run; workers
+with different --shard share one --out. See docs/batch.md and docs/scale-out.md.
 """
+
+
+def _one_line_error(prog: str):
+    """argparse's error, as one line and exit code 2 (no usage block)."""
+    def error(message: str):
+        print(f"{prog}: {message} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_CANNOT_PROCEED)
+    return error
 
 
 
@@ -83,13 +103,20 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         "I=0..N-1 cover the input exactly once. Give each its own --out, "
                         "except in a sharded run, where all share one")
     p.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES, metavar="BYTES",
-                   help="an input file (or tar member) larger than this fails alone with "
-                        "an error row instead of being read (default: %(default)s)")
+                   help="an input file (tar member, Parquet cell, URL) larger than this "
+                        "fails alone with an error row, refused from its size before it "
+                        "is read; the cap is lowered to what the server accepts (its "
+                        "--max-message-bytes) (default: %(default)s)")
     p.add_argument("--streams", type=int, default=4,
                    help="parallel extraction streams (default: %(default)s)")
     p.add_argument("--max-in-flight", type=int, default=128,
                    help="images read and not yet written, over all streams; bounds memory "
                         "and what a kill can lose (default: %(default)s)")
+    p.add_argument("--max-in-flight-bytes", type=int, default=IN_FLIGHT_BYTES,
+                   metavar="BYTES",
+                   help="input bytes read and not yet answered, over all streams; bounds "
+                        "the client's memory (docs/limits.md); one larger input goes "
+                        "alone (default: %(default)s)")
     p.add_argument("--retries", type=int, default=5,
                    help="tries per image on UNAVAILABLE or overload (RESOURCE_EXHAUSTED with a "
                         "retry hint) before it counts as failed (default: %(default)s)")
@@ -107,13 +134,14 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                                     "(default: OUT.errors.csv; removed when none failed)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="show the progress bar (default: only when stderr is a terminal)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="never show the progress bar")
     p.add_argument("--dry-run", action="store_true",
                    help="count the inputs (and those already in --out) and exit; contacts "
                         "no server")
     g = p.add_argument_group(
-        "sharded runs (inputs that are URLs or .tar files, --image-column, a URL --out, "
-        "or --sharded)")
+        "sharded runs (URLs, tars, lists or tables of URLs, --image-column, a URL --out, "
+        "--sharded)")
     g.add_argument("--sharded", action="store_true",
                    help="treat the inputs as shards (one output part and done marker "
                         "each) even when they are all local")
@@ -125,7 +153,8 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help=".parquet inputs hold the images: this column has their bytes "
                         "(binary, or a Hugging Face struct<bytes, path>)")
     g.add_argument("--id-column", help="with --image-column: the column of image ids "
-                                       "(default: FILE#ROW)")
+                                       "(default: FILE#ROW); a repeated id in a shard is "
+                                       "an error row (ALREADY_EXISTS)")
     g.add_argument("--listing-shards", type=int, default=DEFAULTS["listing_shards"],
                    metavar="B", help="a folder, prefix or glob of images is cut into B "
                    "shards by a hash of each name; keep B the same for one --out "
@@ -133,8 +162,13 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--shard-bytes", type=int, default=DEFAULTS["shard_bytes"],
                    metavar="BYTES", help="a .parquet input larger than this is one shard "
                    "per row group (default: %(default)s)")
-    # --server may be repeated here; streams have no deadline.
+    # --server may be repeated here.
     add_connection_args(p, repeatable=True,
-                        timeout_help="seconds per unary call (streams have no deadline)")
+                        timeout_help="seconds for every call: each unary call's deadline; "
+                        "an Extract stream with images outstanding is cancelled and its "
+                        "images sent again after this long without an answer; each read "
+                        "of an http(s) input; S3's connect and read timeouts "
+                        "(default: %(default)s)")
+    p.error = _one_line_error(p.prog)
     p.set_defaults(func=run)
     return p

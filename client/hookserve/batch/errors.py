@@ -1,5 +1,6 @@
 """How a `hookserve batch` run ends: its exit codes, the error that stops it
-(:class:`Abort`), and the errors CSV that lists each image that failed."""
+(:class:`Abort`), which failures are final (:func:`is_final`), and the errors CSV that
+lists each image that failed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ import os
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1
 EXIT_CANNOT_PROCEED = 2
+#: A sharded run left shards without a done marker: an error a rerun can fix.
+EXIT_INCOMPLETE = 3
 EXIT_INTERRUPTED = 130
+
+#: Failures that are the input's own (corrupt, unsupported, over a cap, a link member,
+#: a repeated id): a rerun would fail the same way, so a shard that has only these is
+#: done. Every other code (NOT_FOUND, UNAVAILABLE, RESOURCE_EXHAUSTED, DATA_LOSS, a
+#: missing extra's FAILED_PRECONDITION, ...) may pass on a rerun: its shard stays open.
+FINAL_CODES = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE", "ALREADY_EXISTS"})
+
+
+def is_final(code: str) -> bool:
+    """Whether a failure with this status code name is final (see FINAL_CODES)."""
+    return code in FINAL_CODES
 
 
 class Abort(Exception):

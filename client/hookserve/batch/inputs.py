@@ -45,6 +45,11 @@ class InputError(Exception):
     """The inputs cannot be listed (a missing path, a missing column...)."""
 
 
+def is_image(name: str) -> bool:
+    """Whether a file name has an image extension (:data:`IMAGE_EXTS`)."""
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTS
+
+
 def _walk(root: str) -> Iterator[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -63,14 +68,29 @@ def list_file(path: str) -> Iterator[str]:
                 yield line
 
 
+def listed_paths(spec: str, path_column: str = "path",
+                 image_column: str | None = None) -> list[str] | None:
+    """The paths or URLs a local list (.txt/.lst) or path table (.csv/.tsv/.parquet,
+    its `path_column`) names; None when `spec` is neither (a Parquet file is a table
+    of images, not of paths, when `image_column` is given)."""
+    ext = os.path.splitext(spec)[1].lower()
+    if not os.path.isfile(spec) or (image_column and ext == ".parquet"):
+        return None
+    if ext in LIST_EXTS:
+        return list(list_file(spec))
+    if ext in TABLE_EXTS:
+        return _table(spec, path_column)
+    return None
+
+
 def _table(path: str, column: str) -> list[str]:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
-            raise InputError("reading a Parquet input list needs pyarrow:\n"
-                             "    pip install 'hookserve[batch]'") from exc
+            raise InputError("reading a Parquet input list needs pyarrow: "
+                             "pip install 'hookserve[batch]'") from exc
         schema = pq.read_schema(path)
         if column not in schema.names:
             raise InputError(f"{path}: no column {column!r} (columns: "
@@ -192,11 +212,13 @@ def not_regular(mode: int) -> str | None:
 
 
 def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
-               expect: tuple[int, int] | None = None) -> bytes:
+               expect: tuple[int, int] | None = None, cap=None) -> bytes:
     """An input image's encoded bytes. Only a regular file is read: it is opened
     non-blocking (a FIFO with no writer cannot hang the run) and checked on the open
-    descriptor. `expect` is (size, mtime_ns) from the listing: a file changed since
-    then fails. Raises a typed :class:`hookserve.HookserveError` naming the problem.
+    descriptor; one over `max_bytes` is refused from its size, unread (`cap`, a
+    :class:`~.limits.Cap`, names what sets the limit). `expect` is (size, mtime_ns)
+    from the listing: a file changed since then fails. Raises a typed
+    :class:`hookserve.HookserveError` naming the problem.
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) \
         | getattr(os, "O_NOCTTY", 0)
@@ -211,17 +233,23 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
             raise errors.InvalidArgument(f"{what}, not a regular file: only regular files "
                                          "are read")
         if st.st_size > max_bytes:
-            raise errors.InvalidArgument(f"{st.st_size} bytes, over the per-file cap of "
-                                         f"{max_bytes} (raise --max-file-bytes)")
+            if cap is not None:
+                raise cap.refuse(st.st_size)
+            raise errors.InvalidArgument(f"the file is {st.st_size} bytes, over the per-file "
+                                         f"cap of {max_bytes} bytes (--max-file-bytes); it "
+                                         "was not read")
         if expect is not None and (st.st_size, st.st_mtime_ns) != expect:
             raise errors.FailedPrecondition("the file changed between listing and reading "
                                             "(size or mtime differ): run again to read it")
-        chunks, n = [], 0
-        while n <= max_bytes:
-            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
+        # Reads of the whole size (and one byte more, to see growth): no chunks to join,
+        # so a file costs its size once.
+        want = min(st.st_size, max_bytes) + 1
+        parts, n = [], 0
+        while n < want:
+            b = os.read(fd, want - n)
             if not b:
                 break
-            chunks.append(b)
+            parts.append(b)
             n += len(b)
     except OSError as exc:
         raise _os_error(exc) from None
@@ -230,7 +258,7 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
     if n != st.st_size:
         raise errors.FailedPrecondition(f"the file changed while it was read ({n} bytes "
                                         f"read, {st.st_size} listed): run again to read it")
-    return b"".join(chunks)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _os_error(exc: OSError) -> errors.HookserveError:

@@ -1,21 +1,34 @@
 """Inputs and outputs that live elsewhere: fsspec URLs (``s3://``, ``gs://``,
-``http(s)://``, ``memory://``...), brace expansion, ``--storage-option``, and the
-output location a sharded run writes its parts and markers to.
+``memory://``...) and ``http(s)://``, brace expansion, ``--storage-option``, bounded
+reads of one object, and the output location a sharded run writes its parts and
+markers to.
 
 fsspec and the store's driver are imported only when a URL is used
 (``pip install 'hookserve[s3]'`` or ``'hookserve[gcs]'``). S3 credentials and the
 endpoint come from the standard environment (``AWS_ACCESS_KEY_ID``,
 ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``...), which s3fs reads itself.
+
+``http(s)://`` objects are read with the standard library, streamed, with a read
+timeout (``--timeout``) and the per-file cap checked on the Content-Length before the
+body and on every chunk after it. Every failure to reach or read an object becomes a
+typed error (:func:`storage_error`): NOT_FOUND, PERMISSION_DENIED, UNAVAILABLE, or
+FAILED_PRECONDITION for a missing extra, each of which a rerun can fix.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import shutil
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+
+from .. import errors
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)\}")
@@ -62,18 +75,158 @@ def parse_storage_options(items: list[str] | None) -> dict:
     return opts
 
 
+def is_http(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
+class MissingExtra(ImportError):
+    """A URL's store needs a package that is not installed; the message says which
+    ``pip install`` fixes it."""
+
+
+def install_hint(url: str) -> str:
+    scheme = url.split("://", 1)[0].lower()
+    extra = {"gs": "gcs", "gcs": "gcs"}.get(scheme, "s3")
+    return f"pip install 'hookserve[{extra}]'"
+
+
+#: The running command's --timeout, applied to object-store calls (S3: botocore's
+#: connect and read timeouts, unless --storage-option config_kwargs sets them).
+STORE_TIMEOUT: dict[str, float | None] = {"seconds": None}
+
+
+def set_store_timeout(seconds: float | None) -> None:
+    STORE_TIMEOUT["seconds"] = seconds
+
+
 def filesystem(url: str, storage_options: dict | None = None):
-    """-> (fsspec filesystem, path within it) for a URL."""
+    """-> (fsspec filesystem, path within it) for a URL. Raises :class:`MissingExtra`
+    when fsspec or the store's driver is not installed."""
     try:
         from fsspec.core import url_to_fs
-    except ImportError as exc:
-        raise OSError(f"{url}: URLs need fsspec and the store's driver: "
-                      "pip install 'hookserve[s3]' (or 'hookserve[gcs]')") from exc
+    except ImportError:
+        raise MissingExtra(f"{url}: URLs need fsspec and the store's driver: "
+                           f"{install_hint(url)}") from None
+    opts = dict(storage_options or {})
+    timeout = STORE_TIMEOUT["seconds"]
+    if timeout and url.split("://", 1)[0].lower() in ("s3", "s3a"):
+        config = opts.get("config_kwargs", {})
+        if isinstance(config, dict):
+            opts["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
+                                     **config}
     try:
-        return url_to_fs(url, **(storage_options or {}))
+        return url_to_fs(url, **opts)
     except ImportError as exc:  # e.g. s3fs missing for s3://
-        raise OSError(f"{url}: {exc}; pip install 'hookserve[s3]' (or 'hookserve[gcs]')"
-                      ) from exc
+        raise MissingExtra(f"{url}: {exc}: {install_hint(url)}") from None
+
+
+def storage_error(exc: BaseException, what: str) -> errors.HookserveError:
+    """The typed error of a failed read of `what` (every one a rerun may fix)."""
+    if isinstance(exc, errors.HookserveError):
+        return exc
+    if isinstance(exc, ImportError):
+        return errors.FailedPrecondition(f"cannot read {what}: {exc}")
+    if isinstance(exc, FileNotFoundError):
+        return errors.NotFound(f"cannot read {what}: not found")
+    if isinstance(exc, PermissionError):
+        return errors.PermissionDenied(f"cannot read {what}: permission denied ({exc})")
+    if isinstance(exc, urllib.error.HTTPError):
+        if exc.code == 404 or exc.code == 410:
+            return errors.NotFound(f"cannot read {what}: HTTP {exc.code}")
+        if exc.code in (401, 403):
+            return errors.PermissionDenied(f"cannot read {what}: HTTP {exc.code}")
+        return errors.Unavailable(f"cannot read {what}: HTTP {exc.code} {exc.reason}")
+    if isinstance(exc, TimeoutError):
+        return errors.Unavailable(f"cannot read {what}: timed out ({exc or 'no data'})")
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return errors.Unavailable(f"cannot read {what}: {text}")
+
+
+class NeedMore(Exception):
+    """The object is larger than the bytes reserved for it: reserve `bound` and read
+    it again."""
+
+    def __init__(self, bound: int) -> None:
+        super().__init__(bound)
+        self.bound = bound
+
+
+def http_open(url: str, timeout: float, headers: dict | None = None):
+    """A streamed GET (the response is a file object); every socket read times out
+    after `timeout` seconds."""
+    req = urllib.request.Request(url, headers={"User-Agent": "hookserve-batch",
+                                               **(headers or {})})
+    return urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - http(s) only
+
+
+def read_object(url: str, opts: dict, cap, bound: int, timeout: float) -> bytes:
+    """The bytes of one object, reading at most `bound` + 1 of them. Over the cap: the
+    cap's error (final); over `bound` but within the cap: :class:`NeedMore`. Any other
+    failure: a typed error from :func:`storage_error`."""
+    try:
+        if is_http(url):
+            return _read_http(url, opts, cap, bound, timeout)
+        fs, path = filesystem(url, opts)
+        try:
+            data = fs.cat_file(path, start=0, end=bound + 1)  # one ranged GET
+        except OSError as exc:  # 416, "range not satisfiable": the object is empty
+            text = str(exc).lower()
+            if isinstance(exc, FileNotFoundError) or not (
+                    "not satisfiable" in text or "invalidrange" in text):
+                raise
+            data = b""
+    except (errors.HookserveError, NeedMore):
+        raise
+    except Exception as exc:  # noqa: BLE001 - every store's errors become typed ones
+        raise storage_error(exc, url) from None
+    if len(data) > bound:
+        if bound >= cap.limit:
+            raise cap.refuse(len(data), "the object (at least)")
+        raise NeedMore(cap.limit)
+    return data
+
+
+def _read_http(url: str, opts: dict, cap, bound: int, timeout: float) -> bytes:
+    deadline = time.monotonic() + 10 * timeout  # a body that trickles in ends too
+    with http_open(url, timeout, opts.get("headers")) as resp:
+        length = resp.headers.get("Content-Length")
+        if length is not None and length.isdigit():
+            if int(length) > cap.limit:
+                raise cap.refuse(int(length), "the object")
+            if int(length) > bound:
+                raise NeedMore(cap.limit)
+        chunks, n = [], 0
+        while n <= bound:
+            b = resp.read(min(1 << 20, bound + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the body took over {10 * timeout:g} s")
+        if n > bound:
+            if bound >= cap.limit:
+                raise cap.refuse(n, "the object (at least)")
+            raise NeedMore(cap.limit)
+        if length is not None and length.isdigit() and n != int(length):
+            raise errors.Unavailable(f"cannot read {url}: the body ended after {n} of "
+                                     f"{length} bytes")
+    return b"".join(chunks)
+
+
+def open_stream(url: str, opts: dict, timeout: float):
+    """A file object to read a container (a tar) from its start, streamed. Raises
+    what the store raises (see :func:`storage_error`)."""
+    if is_http(url):
+        return http_open(url, timeout, opts.get("headers"))
+    if is_url(url):
+        fs, p = filesystem(url, opts)
+        return fs.open(p, "rb")
+    return open(url, "rb")  # noqa: SIM115 - closed by the caller
+
+
+#: What a streamed container read can raise besides OSError (a cut http body).
+STREAM_ERRORS = (OSError, EOFError, http.client.HTTPException)
 
 
 def join(base: str, name: str) -> str:
@@ -108,6 +261,60 @@ class Location:
                                                                           refresh=True)}
         except FileNotFoundError:
             return set()
+
+    def listing(self) -> dict[str, int]:
+        """Every file below the folder (relative name -> size), from one listing."""
+        if not self.remote:
+            out = {}
+            for root, _, files in os.walk(self.path):
+                for f in files:
+                    full = os.path.join(root, f)
+                    try:
+                        out[os.path.relpath(full, self.path).replace(os.sep, "/")] = \
+                            os.path.getsize(full)
+                    except OSError:
+                        continue
+            return out
+        try:
+            found = self.fs.find(self.path, detail=True)
+        except FileNotFoundError:
+            return {}
+        n = len(self.path) + 1
+        return {p[n:]: int(i.get("size") or 0) for p, i in found.items()
+                if p.startswith(self.path + "/") and i.get("type", "file") == "file"}
+
+    def read_many(self, names: list[str]) -> dict[str, bytes | None]:
+        """name -> its bytes, or None when it cannot be read (remote: one concurrent
+        batch of GETs)."""
+        if not self.remote:
+            out: dict[str, bytes | None] = {}
+            for name in names:
+                try:
+                    with open(os.path.join(self.path, name), "rb") as fh:
+                        out[name] = fh.read()
+                except OSError:
+                    out[name] = None
+            return out
+        strip = self.fs._strip_protocol
+        got = self.fs.cat([join(self.path, n) for n in names], on_error="return") \
+            if names else {}
+        got = {strip(k): v for k, v in got.items()}
+        return {n: (v if isinstance(v, bytes) else None)
+                for n in names for v in [got.get(strip(join(self.path, n)))]}
+
+    def delete(self, name: str) -> None:
+        """Remove a file or a folder of files; nothing when it is absent."""
+        try:
+            if not self.remote:
+                full = os.path.join(self.path, *name.split("/"))
+                if os.path.isdir(full):
+                    shutil.rmtree(full)
+                else:
+                    os.unlink(full)
+            else:
+                self.fs.rm(join(self.path, name), recursive=True)
+        except FileNotFoundError:
+            pass
 
     def read_text(self, name: str) -> str | None:
         try:

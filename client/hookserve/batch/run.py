@@ -37,6 +37,7 @@ from .inputs import (
     parse_shard,
     select_shard,
 )
+from .limits import Cap, check_flags, return_freed_inputs
 from .progress import Progress
 from .scheduler import Item, Scheduler, Streams
 from .sharded import run_sharded
@@ -47,6 +48,7 @@ from .spec import connect, describe_and_check, parse_layers
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `hookserve batch`; returns the exit code."""
+    return_freed_inputs()
     try:
         return _run(args)
     except Abort as exc:
@@ -54,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CANNOT_PROCEED
 
 
-def plan(paths: list[str], done: dict) -> tuple[list[Item], list[tuple[str, str, str]], int]:
-    """-> (work list, failures (path, code, message), images already written)."""
+def plan(paths: list[str], done: dict, cap: Cap | None = None
+         ) -> tuple[list[Item], list[tuple[str, str, str]], int]:
+    """-> (work list, failures (path, code, message), images already written). A file
+    over the per-file `cap` fails here, from its size: it is never opened."""
     failures: list[tuple[str, str, str]] = []
     work: list[Item] = []
     skipped = 0
@@ -81,15 +85,19 @@ def plan(paths: list[str], done: dict) -> tuple[list[Item], list[tuple[str, str,
                                  "mtime differ); its old row is kept: write to a new --out "
                                  "to extract it again"))
             continue
+        if cap is not None and st.st_size > cap.limit:
+            failures.append((name, "INVALID_ARGUMENT", cap.refuse(st.st_size).message))
+            continue
         work.append(Item(len(work), p, st.st_size, st.st_mtime_ns, name=name))
     return work, failures, skipped
 
 
 def _run(args) -> int:
+    check_flags(args)
     if wants_shards(args):
         return run_sharded(args)
     try:
-        shard = parse_shard(args.shard) if args.shard else None
+        shard = parse_shard(args.shard) if args.shard is not None else None
         paths = select_shard(discover(args.inputs, path_column=args.path_column,
                                       root=args.root), shard)
     except (InputError, ValueError, OSError) as exc:
@@ -102,7 +110,7 @@ def _run(args) -> int:
         raise Abort("no input images found")
 
     with connect(args) as client:
-        meta, opts = describe_and_check(args, client, layers)
+        meta, opts, cap = describe_and_check(args, client, layers)
         try:
             sink = make_sink(args.out, meta, checkpoint=args.checkpoint,
                              checkpoint_secs=args.checkpoint_secs,
@@ -110,7 +118,7 @@ def _run(args) -> int:
             sink.open()
         except OutputError as exc:
             raise Abort(str(exc)) from None
-        work, failures, skipped = plan(paths, sink.done())
+        work, failures, skipped = plan(paths, sink.done(), cap)
         errs = ErrorsFile(errors_path(args))
         for f in failures:
             errs.add(*f)
@@ -120,9 +128,10 @@ def _run(args) -> int:
         # and a new pick of server).
         streams = max(1, args.streams)
         window = max(1, args.max_in_flight // (2 * streams))
-        workers = Streams(client, Scheduler(work, args.max_in_flight), layers, opts,
+        workers = Streams(client, Scheduler(work, args.max_in_flight,
+                                            args.max_in_flight_bytes), layers, opts,
                           model=args.model, retries=args.retries, streams=streams,
-                          window=window, max_file_bytes=args.max_file_bytes)
+                          window=window, cap=cap, timeout=args.timeout)
         progress = Progress(len(work), args.progress if args.progress is not None
                             else sys.stderr.isatty())
         t0 = time.monotonic()
@@ -186,11 +195,12 @@ def _write_in_order(workers: Streams, work: list[Item], sink: Sink, errs: Errors
             item = msg[0]
             if item.pos >= next_pos and item.pos not in buffered:
                 buffered[item.pos] = msg
-            wrote = 0
+            wrote = nbytes = 0
             while next_pos in buffered:  # write in input order
                 item, feats, err = buffered.pop(next_pos)
                 next_pos += 1
                 wrote += 1
+                nbytes += item.size
                 if err is None:
                     rec = Record(item.name, item.sha256, item.size, item.mtime_ns,
                                  dict(feats))
@@ -202,7 +212,7 @@ def _write_in_order(workers: Streams, work: list[Item], sink: Sink, errs: Errors
                         err = errors.InvalidArgument(str(exc))
                 errs.add(item.name, err.code.name, err.message)
             if wrote:
-                workers.sched.written(wrote)
+                workers.sched.written(wrote, nbytes)
                 sink.checkpoint()
             progress.update(n_done, errs.count - n_prior)
     finally:

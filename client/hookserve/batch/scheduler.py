@@ -1,8 +1,8 @@
 """Parallel extraction streams of `hookserve batch`, fed from one shared work list.
 
 - :class:`Scheduler` hands out work items and bounds those taken and not yet written
-  (``--max-in-flight``), which bounds memory and what a kill can cost. Retries go
-  back to it with a not-before time.
+  (``--max-in-flight`` images, ``--max-in-flight-bytes`` of input), which bounds memory
+  and what a kill can cost. Retries go back to it with a not-before time.
 - :class:`Streams` runs ``--streams`` worker threads, each one ``Client.extract_many``
   stream fed by a :class:`Feed`. Answers go to :attr:`Streams.results`, a queue that
   the run's main thread (the only writer) reads.
@@ -30,6 +30,8 @@ import grpc
 from .. import errors
 from .errors import Abort
 from .inputs import MAX_FILE_BYTES, encode_name, read_bytes
+from .limits import IN_FLIGHT_BYTES, Cap
+from .streamcall import Watchdog, extract_many
 
 #: Per-image codes worth another try (possibly on another server).
 RETRY_IMAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -75,12 +77,16 @@ DONE = object()
 class Scheduler:
     """The shared work list: hands items to streams, takes them back for retries."""
 
-    def __init__(self, items: list[Item], max_in_flight: int) -> None:
+    def __init__(self, items: list[Item], max_in_flight: int,
+                 max_bytes: int = IN_FLIGHT_BYTES) -> None:
         self.cond = threading.Condition()
         self.ready = deque(items)
         self.retry: list[tuple[float, Item]] = []  # heap of (not before, item)
         self.in_flight = 0       # taken and not yet written; retries keep their slot
         self.max_in_flight = max(1, max_in_flight)
+        #: input bytes taken and not yet written; one larger item goes when none are
+        self.bytes = 0
+        self.max_bytes = max(1, max_bytes)
         self.remaining = len(items)
         self.stopped = False
         self.stream_failures = 0  # consecutive, reset by any answered image
@@ -94,8 +100,10 @@ class Scheduler:
                 now = time.monotonic()
                 if self.retry and self.retry[0][0] <= now:
                     return heapq.heappop(self.retry)[1]  # already holds a slot
-                if self.ready and self.in_flight < self.max_in_flight:
+                if self.ready and self.in_flight < self.max_in_flight and (
+                        self.bytes == 0 or self.bytes + self.ready[0].size <= self.max_bytes):
                     self.in_flight += 1
+                    self.bytes += self.ready[0].size
                     return self.ready.popleft()
                 if not block:
                     return None
@@ -109,9 +117,11 @@ class Scheduler:
             heapq.heappush(self.retry, (time.monotonic() + delay, item))
             self.cond.notify_all()
 
-    def written(self, n: int) -> None:
+    def written(self, n: int, nbytes: int = 0) -> None:
+        """`n` items taken earlier, of `nbytes` input bytes, were written."""
         with self.cond:
             self.in_flight -= n
+            self.bytes -= nbytes
             self.remaining -= n
             self.cond.notify_all()
 
@@ -130,13 +140,13 @@ class Feed:
     ends the stream instead; the worker opens a new one.
     """
 
-    def __init__(self, sched: Scheduler, first: Item, failed, max_file_bytes: int) -> None:
+    def __init__(self, sched: Scheduler, first: Item, failed, cap: Cap) -> None:
         self.sched = sched
         self.first: Item | None = first
         self.pending: dict[str, Item] = {}
         self._ids: deque[str] = deque()
         self.failed = failed            # failed(item, error): a file that cannot be read
-        self.max_file_bytes = max_file_bytes
+        self.cap = cap
 
     def images(self):
         while True:
@@ -147,8 +157,8 @@ class Feed:
                 if item is None or item is DONE:
                     return
             try:  # a FIFO, device, vanished or changed file fails here, never blocks
-                data = read_bytes(item.path, self.max_file_bytes,
-                                  (item.size, item.mtime_ns))
+                data = read_bytes(item.path, self.cap.limit, (item.size, item.mtime_ns),
+                                  self.cap)
             except errors.HookserveError as exc:
                 self.failed(item, exc)
                 continue
@@ -173,10 +183,11 @@ class Streams:
     """
 
     def __init__(self, client, sched: Scheduler, layers, opts: dict, *, model: str | None,
-                 retries: int, streams: int, window: int,
-                 max_file_bytes: int = MAX_FILE_BYTES) -> None:
+                 retries: int, streams: int, window: int, cap: Cap | None = None,
+                 timeout: float | None = None) -> None:
         self.client = client
-        self.max_file_bytes = max_file_bytes
+        self.cap = cap or Cap(MAX_FILE_BYTES)
+        self.watchdog = Watchdog(timeout)
         self.sched = sched
         self.layers = layers
         self.opts = opts
@@ -215,11 +226,12 @@ class Streams:
                 if first is DONE:
                     return
                 feed = Feed(sched, first, lambda item, exc: self.results.put((item, None, exc)),
-                            self.max_file_bytes)
+                            self.cap)
                 try:
-                    for r in self.client.extract_many(
-                            feed.images(), self.layers, model=self.model, ids=feed.ids(),
-                            max_in_flight=self.window, **self.opts):
+                    for r in extract_many(
+                            self.client, feed.images(), self.layers, model=self.model,
+                            ids=feed.ids(), window=self.window, watchdog=self.watchdog,
+                            **self.opts):
                         item = feed.pending.pop(r.id, None)
                         if item is None:  # not ours (cannot happen): never write twice
                             continue

@@ -2,11 +2,11 @@
 
 Planning (:func:`plan_shards`) costs one listing per input, never a request per image:
 
-- a ``.tar`` (local or URL, brace-expanded: ``shards/{000000..000127}.tar``) is one
-  WebDataset shard. Its members with an image extension are its images, read as a
-  stream (never unpacked to disk); other members (``.json``, ``.txt``, ``.cls``) are
-  skipped. An image's id is ``<tar>/<member name>``, e.g.
-  ``s3://b/shards/000007.tar/000070012.jpg``.
+- a ``.tar`` (or ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``; local or URL,
+  brace-expanded: ``shards/{000000..000127}.tar``) is one WebDataset shard. Its members
+  with an image extension are its images, read as a stream (never unpacked to disk);
+  other members (``.json``, ``.txt``, ``.cls``) are skipped. An image's id is
+  ``<tar>/<member name>``, e.g. ``s3://b/shards/000007.tar/000070012.jpg``.
 - a ``.parquet`` file with ``--image-column`` (binary, or Hugging Face's
   ``struct<bytes, path>``) is one shard; a file over ``--shard-bytes`` with several row
   groups gives one shard per row group (key ``<file>#rg=<k>``). Ids come from
@@ -15,9 +15,10 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
   into ``--listing-shards`` shards by a hash of each file's name (key
   ``<input>#<b>/<B>``), so adding files never moves an existing one to another shard.
   Their ids are their paths or URLs (a local name that is not valid UTF-8 is encoded
-  as :func:`~.inputs.encode_name` says).
+  as :func:`~.inputs.encode_name` says). A file named by several inputs is listed once.
 
-``--shard I/N`` keeps the shards whose key hashes (BLAKE2b) to I modulo N.
+``--shard I/N`` keeps the shards whose key hashes (BLAKE2b) to I modulo N. Reading a
+shard is :mod:`.readers` (:func:`entries`).
 """
 
 from __future__ import annotations
@@ -25,19 +26,13 @@ from __future__ import annotations
 import glob as _glob
 import hashlib
 import os
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import grpc
-
-from .. import errors
-from .inputs import IMAGE_EXTS, LIST_EXTS, MAX_FILE_BYTES, encode_name, list_file, read_bytes
+from .inputs import encode_name, is_image, listed_paths
+from .limits import IN_FLIGHT_BYTES, Cap
+from .readers import Entry, ShardError, file_entries, is_tar, parquet_entries, tar_entries
 from .remote import expand_braces, filesystem, is_url, walk_files
-
-
-class ShardError(Exception):
-    """An input cannot be planned (missing, unreadable listing, missing column)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +45,8 @@ class Shard:
     source: str = ""                # the tar or Parquet file, or the listed input
     row_group: int | None = None    # a Parquet shard of one row group
     files: tuple[str, ...] = field(default=(), compare=False)  # kind == "files"
+    #: sizes the listing gave (-1: unknown), parallel to `files`
+    sizes: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def sid(self) -> str:
@@ -70,15 +67,12 @@ def select(shards: list[Shard], shard: tuple[int, int] | None) -> list[Shard]:
     return [s for s in shards if key_hash(s.key, n) == i]
 
 
-def _is_image(name: str) -> bool:
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTS
-
-
 def _parquet_shards(path: str, size: int, opts: dict, shard_bytes: int) -> list[Shard]:
     if size <= shard_bytes:
         return [Shard(path, "parquet", path)]
-    import pyarrow.parquet as pq
+    from .sinks.base import need
 
+    pq = need("pyarrow.parquet", "reading Parquet")
     with _open(path, opts) as fh:
         n = pq.ParquetFile(fh).metadata.num_row_groups
     if n <= 1:
@@ -115,59 +109,66 @@ def _listing(spec: str, opts: dict) -> list[tuple[str, int]]:
 
 def plan_shards(specs: list[str], *, image_column: str | None = None,
                 listing_shards: int = 64, shard_bytes: int = 256 << 20,
-                storage_options: dict | None = None) -> list[Shard]:
-    """Every input shard the inputs name, sorted by key (see the module doc)."""
+                storage_options: dict | None = None, path_column: str = "path"
+                ) -> list[Shard]:
+    """Every input shard the inputs name, sorted by key (see the module doc). A list
+    (.txt/.lst) or path table (.csv/.tsv/.parquet, its `path_column`) names paths and
+    URLs, one shard per hash bucket of them."""
+    if listing_shards < 1:
+        raise ValueError(f"listing_shards must be at least 1, got {listing_shards}")
     opts = storage_options or {}
     shards: dict[str, Shard] = {}
+    taken: set[str] = set()  # files already in a listing shard: each is listed once
     for spec0 in specs:
         for spec in expand_braces(spec0):
-            if spec.lower().endswith(".tar") and not _glob.has_magic(spec):
+            if is_tar(spec) and not _glob.has_magic(spec):
                 shards.setdefault(spec, Shard(spec, "tar", spec))  # named: no request
                 continue
-            files: list[str] = []
-            from_list = os.path.splitext(spec)[1].lower() in LIST_EXTS and os.path.isfile(spec)
-            if from_list:
-                listed = [(p, -1) for p in list_file(spec)]  # paths or URLs, one a line
-            elif is_url(spec) and _is_image(spec) and not _glob.has_magic(spec):
+            files: dict[str, int] = {}
+            names = listed_paths(spec, path_column, image_column)
+            from_list = names is not None
+            if names is not None:
+                listed = [(p, -1) for p in names]  # paths or URLs
+            elif is_url(spec) and is_image(spec) and not _glob.has_magic(spec):
                 listed = [(spec, -1)]  # one image: no listing (http has none)
             else:
                 listed = _listing(spec, opts)
             for path, size in listed:
-                low = path.lower()
-                if low.endswith(".tar"):
+                if is_tar(path):
                     shards.setdefault(path, Shard(path, "tar", path))
-                elif image_column and low.endswith(".parquet"):
+                elif image_column and path.lower().endswith(".parquet"):
                     if size < 0:
                         size = os.path.getsize(path)
                     for s in _parquet_shards(path, size, opts, shard_bytes):
                         shards.setdefault(s.key, s)
-                elif _is_image(path) or path == spec or from_list:
-                    files.append(path)
-            if not files:
-                continue
+                elif (is_image(path) or path == spec or from_list) and path not in taken:
+                    taken.add(path)
+                    files[path] = size
             buckets: dict[int, list[str]] = {}
             for f in files:
                 buckets.setdefault(key_hash(encode_name(f), listing_shards), []).append(f)
             for b, members in buckets.items():
                 key = f"{encode_name(spec)}#{b}/{listing_shards}"
-                shards[key] = Shard(key, "files", spec, files=tuple(members))
+                shards[key] = Shard(key, "files", spec, files=tuple(members),
+                                    sizes=tuple(files[f] for f in members))
     return [shards[k] for k in sorted(shards)]
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,
-                   image_column: str | None = None, listing_shards: int = 64) -> Shard:
+                   image_column: str | None = None, listing_shards: int = 64,
+                   path_column: str = "path") -> Shard:
     """The shard a key names (what :func:`plan_shards` printed or stored)."""
     base, sep, rest = key.rpartition("#")
     if sep and rest.startswith("rg="):
         return Shard(key, "parquet", base, int(rest[3:]))
-    if key.lower().endswith(".tar"):
+    if is_tar(key):
         return Shard(key, "tar", key)
     if key.lower().endswith(".parquet") and image_column:
         return Shard(key, "parquet", key)
-    if sep and "/" in rest:
+    if sep and "/" in rest and rest.replace("/", "").isdigit():
         b, n = (int(x) for x in rest.split("/"))
         for s in plan_shards([base], image_column=image_column, listing_shards=n,
-                             storage_options=storage_options):
+                             storage_options=storage_options, path_column=path_column):
             if s.key == key:
                 return s
         return Shard(key, "files", base)  # an empty bucket
@@ -183,108 +184,18 @@ def _open(path: str, opts: dict):
 
 
 def entries(shard: Shard, *, opts: dict | None = None, image_column: str | None = None,
-            id_column: str | None = None, max_bytes: int = MAX_FILE_BYTES
-            ) -> Iterator[tuple[str, bytes | errors.HookserveError]]:
-    """(id, encoded bytes) per image of the shard, in a stable order; an image that
-    cannot be read yields (id, typed error) instead, and the iteration goes on."""
+            id_column: str | None = None, cap: Cap | None = None, timeout: float = 60.0,
+            max_group_bytes: int = IN_FLIGHT_BYTES) -> Iterator[Entry]:
+    """The shard's images as :class:`~.readers.Entry` objects, in a stable order; one
+    that cannot be read is an entry with its typed error, and the iteration goes on.
+    Nothing is read before the caller starts an entry."""
     opts = opts or {}
+    cap = cap or Cap(256 << 20)
     if shard.kind == "tar":
-        yield from _tar_entries(shard.source, opts, max_bytes)
-    elif shard.kind == "parquet":
-        yield from _parquet_entries(shard, opts, image_column, id_column)
-    else:
-        for i in range(0, len(shard.files), FETCH):
-            chunk = shard.files[i:i + FETCH]
-            fetched: dict = {}
-            for scheme in {f.split("://", 1)[0] for f in chunk if is_url(f)}:
-                fetched.update(_fetch_urls([f for f in chunk if f.startswith(scheme + "://")],
-                                           opts, max_bytes))
-            for f in chunk:
-                try:
-                    data = fetched[f] if is_url(f) else read_bytes(f, max_bytes)
-                    if isinstance(data, errors.HookserveError):
-                        raise data
-                except errors.HookserveError as exc:
-                    yield encode_name(f), exc
-                    continue
-                yield encode_name(f), data
-
-
-#: Objects of a listing shard fetched at once (concurrent GETs where the store allows).
-FETCH = 32
-
-
-def _fetch_urls(urls: list[str], opts: dict, max_bytes: int) -> dict:
-    """url -> bytes or typed error, for URLs of one scheme, fetched concurrently (one
-    GET each, no HEAD)."""
-    if not urls:
-        return {}
-    fs, _ = filesystem(urls[0], opts)
-    paths = {fs._strip_protocol(u): u for u in urls}
-    try:
-        got = fs.cat(list(paths), on_error="return")
-    except Exception as exc:  # noqa: BLE001 - the store failed as a whole: every url fails
-        got = dict.fromkeys(paths, exc)
-    out = {}
-    for p, u in paths.items():
-        data = got.get(p, FileNotFoundError(p))
-        if isinstance(data, FileNotFoundError):
-            data = errors.NotFound("cannot read: it vanished after the listing")
-        elif isinstance(data, BaseException):
-            data = errors.Unavailable(f"cannot read: {data}")
-        elif len(data) > max_bytes:
-            data = errors.InvalidArgument(f"{len(data)} bytes, over the per-file cap of "
-                                          f"{max_bytes} (raise --max-file-bytes)")
-        out[u] = data
-    return out
-
-
-def _tar_entries(path: str, opts: dict, max_bytes: int):
-    name = "?"
-    try:
-        with _open(path, opts) as fh, tarfile.open(fileobj=fh, mode="r|*") as tf:
-            for m in tf:
-                name = m.name
-                if not _is_image(m.name) or not m.isfile():
-                    continue
-                mid = f"{path}/{m.name}"
-                if m.size > max_bytes:
-                    yield mid, errors.InvalidArgument(
-                        f"member is {m.size} bytes, over the per-file cap of {max_bytes} "
-                        "(raise --max-file-bytes)")
-                    continue
-                src = tf.extractfile(m)
-                yield mid, src.read() if src is not None else b""
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        yield f"{path}/", errors.HookserveError(
-            f"the tar is unreadable after member {name!r}: {exc}; the members before it "
-            "were kept", grpc.StatusCode.DATA_LOSS)
-
-
-def _parquet_entries(shard: Shard, opts: dict, image_column: str | None,
-                     id_column: str | None):
-    import pyarrow.parquet as pq
-
-    if not image_column:
-        raise ShardError("a Parquet shard needs --image-column")
-    with _open(shard.source, opts) as fh:
-        pf = pq.ParquetFile(fh)
-        names = pf.schema_arrow.names
-        for col in (image_column, id_column):
-            if col and col not in names:
-                raise ShardError(f"{shard.source}: no column {col!r} (columns: "
-                                 f"{', '.join(names)}); choose one with --image-column / "
-                                 "--id-column")
-        groups = [shard.row_group] if shard.row_group is not None else None
-        row = sum(pf.metadata.row_group(k).num_rows for k in range(shard.row_group or 0))
-        cols = [image_column] + ([id_column] if id_column else [])
-        for batch in pf.iter_batches(batch_size=256, row_groups=groups, columns=cols):
-            images = batch.column(0).to_pylist()
-            ids = batch.column(1).to_pylist() if id_column else [None] * len(images)
-            for img, rid in zip(images, ids, strict=True):
-                iid = str(rid) if rid is not None else f"{shard.source}#{row}"
-                row += 1
-                if isinstance(img, dict):  # Hugging Face Image: {"bytes", "path"}
-                    img = img.get("bytes")
-                yield iid, (bytes(img) if img is not None else errors.InvalidArgument(
-                    f"column {image_column!r} is empty in this row"))
+        return tar_entries(shard.source, opts, cap, timeout)
+    if shard.kind == "parquet":
+        if not image_column:
+            raise ShardError("a Parquet shard needs --image-column")
+        return parquet_entries(shard, opts, image_column, id_column, cap, max_group_bytes)
+    sizes = dict(zip(shard.files, shard.sizes, strict=False))  # none from a bare key
+    return file_entries(shard.files, sizes, opts, cap, timeout)

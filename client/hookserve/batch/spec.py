@@ -11,6 +11,7 @@ from .. import errors
 from ..cli_args import make_client
 from ..types import REDUCTIONS, Layer
 from .errors import Abort
+from .limits import Cap, file_cap
 from .sinks import format_of
 
 
@@ -46,8 +47,9 @@ def parse_layers(specs: list[str], default_reduction: str, dtype: str = "float32
     return [Layer(n, r, dtype, l2_normalize) for n, r in out]
 
 
-def describe_and_check(args, client, layers) -> tuple[dict, dict]:
-    """Validate model, layers and servers up front; -> (metadata, extract options)."""
+def describe_and_check(args, client, layers) -> tuple[dict, dict, Cap]:
+    """Validate model, layers and servers up front; -> (metadata, extract options, the
+    per-file cap: --max-file-bytes lowered to what every server described accepts)."""
     from .. import __version__
 
     crop = args.crop
@@ -66,12 +68,15 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict]:
             raise Abort(f"model {desc.model.name} has no layer {layer.name!r}{hint}; "
                          f"`hookserve describe {desc.model.name}` lists them")
     m = desc.model
+    limits = [desc.max_message_bytes]
     # Several servers must compute the same features: compare their weights digests.
     if len(client.addresses) > 1:
         for addr in client.addresses:
             try:
                 with connect(args, [addr]) as one:
-                    other = one.describe(m.name, crop).model
+                    other_desc = one.describe(m.name, crop)
+                other = other_desc.model
+                limits.append(other_desc.max_message_bytes)
             except errors.HookserveError as exc:
                 print(f"warning: {addr}: {exc} (going on with the other servers)",
                       file=sys.stderr)
@@ -117,4 +122,4 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict]:
                 raise Abort(f"--native gives layer {li.name} a shape that follows each "
                              "image's size; HDF5 needs one shape: use --reduction avg|max, "
                              "or a folder output")
-    return meta, opts
+    return meta, opts, file_cap(args.max_file_bytes, limits)

@@ -270,18 +270,20 @@ class LayerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., module: _Optional[str] = ..., type: _Optional[str] = ..., output_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes_per_image: _Optional[int] = ..., order: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_bytes_per_image: _Optional[int] = ...) -> None: ...
 
 class DescribeModelResponse(_message.Message):
-    __slots__ = ("model", "input_height", "input_width", "layers", "gradient_bytes_per_image")
+    __slots__ = ("model", "input_height", "input_width", "layers", "gradient_bytes_per_image", "max_message_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     INPUT_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_BYTES_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     input_height: int
     input_width: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
     gradient_bytes_per_image: int
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., input_height: _Optional[int] = ..., input_width: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., gradient_bytes_per_image: _Optional[int] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., input_height: _Optional[int] = ..., input_width: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., gradient_bytes_per_image: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class AttributionSpec(_message.Message):
     __slots__ = ("model", "layer", "method", "score", "top_k", "preprocessing", "relu", "normalize", "upsample", "ig_steps", "ig_baseline", "sg_samples", "sg_sigma", "sg_seed")

@@ -39,8 +39,8 @@ def need(module: str, fmt: str):
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as exc:
-        raise OutputError(f"writing {fmt} needs {module.split('.')[0]}:\n    {INSTALL_HINT}"
-                          ) from exc
+        what = fmt if " " in fmt else f"writing {fmt}"
+        raise OutputError(f"{what} needs {module.split('.')[0]}: {INSTALL_HINT}") from exc
 
 
 def settings_of(meta: dict) -> dict:

@@ -1,0 +1,209 @@
+"""A done marker is a promise: it is written only when every input of the shard is
+accounted for, and a rerun trusts only a marker whose part is there.
+
+Each case breaks a shard in one way (a cut tar, a shard not there yet, a store that
+fails, a missing extra, an overloaded server, a deleted or damaged part), checks that
+the run exits 3 naming the shard and leaves no marker, then repairs the cause and
+checks that the rerun produces every row. Fault injection is in tests/bulk_faults.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+
+import pytest
+
+from hookserve.batch import run_shard
+from hookserve.batch.errors import EXIT_INCOMPLETE, FINAL_CODES, is_final
+from hookserve.batch.shardrun import ShardIncomplete
+
+from bulk_faults import FaultyFS, markers, read_out, run_batch, tar_bytes
+from conftest import encode, rand_image
+
+IMAGES = [(f"{i:03d}.png", encode(rand_image(32, 32, seed=40 + i))) for i in range(4)]
+TAR = tar_bytes(IMAGES + [("000.json", b"{}")])
+
+
+
+
+def _cuts(data: bytes) -> dict[str, int]:
+    """Cut points of each kind: inside a header, at a member boundary, inside a
+    member's data, inside its padding, before the end-of-archive block."""
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        members = tf.getmembers()
+    second, last = members[1], members[-1]
+    end = last.offset_data + ((last.size + 511) // 512) * 512
+    return {"in-header": second.offset + 100, "at-boundary": second.offset,
+            "in-data": second.offset_data + 10, "in-padding": members[0].offset_data + 600,
+            "before-end-block": end, "empty": 0}
+
+
+@pytest.mark.parametrize("kind", list(_cuts(TAR)))
+def test_a_cut_tar_gets_no_marker_and_is_redone_once_whole(det_server, tmp_path, capsys,
+                                                             kind):
+    cut = _cuts(TAR)[kind]
+    tar = tmp_path / "s.tar"
+    tar.write_bytes(TAR[:cut])
+    out = tmp_path / "o.parquet"
+    assert run_batch(det_server, [str(tar)], out) == EXIT_INCOMPLETE
+    err = capsys.readouterr().err
+    assert f"not finished: {tar}" in err, err
+    assert markers(str(out)) == {}
+    ids, codes = read_out(str(out))
+    assert codes[f"{tar}/"] in ("DATA_LOSS", "UNAVAILABLE")
+    assert all(not is_final(c) for i, c in codes.items() if i.endswith("/"))
+    tar.write_bytes(TAR)  # the whole tar arrives
+    assert run_batch(det_server, [str(tar)], out) == 0, capsys.readouterr().err
+    ids, codes = read_out(str(out))
+    assert sorted(ids) == [f"{tar}/{n}" for n, _ in IMAGES] and codes == {}
+    assert list(markers(str(out))) == [str(tar)]
+
+
+@pytest.mark.parametrize("mode, ext", [("w:gz", "tar.gz"), ("w:xz", "tgz")])
+def test_a_compressed_tar_is_read_and_one_cut_short_is_not_done(det_server, tmp_path,
+                                                                  capsys, mode, ext):
+    data = tar_bytes(IMAGES, mode=mode)
+    tar = tmp_path / f"s.{ext}"
+    tar.write_bytes(data[:len(data) // 2])
+    out = tmp_path / "o.parquet"
+    assert run_batch(det_server, [str(tar)], out) == EXIT_INCOMPLETE
+    assert markers(str(out)) == {}
+    assert read_out(str(out))[1][f"{tar}/"] == "DATA_LOSS"
+    tar.write_bytes(data)
+    assert run_batch(det_server, [str(tar)], out) == 0, capsys.readouterr().err
+    assert sorted(read_out(str(out))[0]) == [f"{tar}/{n}" for n, _ in IMAGES]
+
+
+def test_a_shard_not_there_yet_is_an_error_then_done(det_server, tmp_path, capsys):
+    tars = [tmp_path / f"{i}.tar" for i in range(2)]
+    tars[0].write_bytes(TAR)
+    out = tmp_path / "o.parquet"
+    assert run_batch(det_server, [str(tmp_path / "{0..1}.tar")], out) == EXIT_INCOMPLETE
+    err = capsys.readouterr().err
+    assert f"not finished: {tars[1]}: NOT_FOUND" in err, err
+    assert list(markers(str(out))) == [str(tars[0])]
+    tars[1].write_bytes(TAR)  # it appears
+    assert run_batch(det_server, [str(tmp_path / "{0..1}.tar")], out) == 0
+    assert "skipped 1" in capsys.readouterr().err
+    ids, _ = read_out(str(out))
+    assert len(ids) == 2 * len(IMAGES) == len(set(ids))
+
+
+@pytest.mark.parametrize("fault", [
+    {"fail": 1},                                  # the store fails once
+    {"fail": 1, "error": FileNotFoundError},      # not there yet
+    {"fail": 1, "error": PermissionError},        # credentials not set up yet
+    {"cut": 2048},                                # the body ends early
+])
+def test_a_store_that_fails_leaves_the_shard_open(det_server, tmp_path, capsys, fault):
+    FaultyFS.reset()
+    fs = FaultyFS()
+    fs.pipe("/lake/a.tar", TAR)
+    FaultyFS.faults[fs._strip_protocol("faulty://lake/a.tar")] = dict(fault)
+    out = tmp_path / "o.parquet"
+    assert run_batch(det_server, ["faulty://lake/a.tar"], out) == EXIT_INCOMPLETE
+    assert "not finished: faulty://lake/a.tar" in capsys.readouterr().err
+    assert markers(str(out)) == {}
+    assert run_batch(det_server, ["faulty://lake/a.tar"], out) == 0  # the fault has passed
+    assert sorted(read_out(str(out))[0]) == [f"faulty://lake/a.tar/{n}" for n, _ in IMAGES]
+
+
+def test_a_missing_extra_is_not_final(det_server, tmp_path, capsys):
+    pytest.importorskip("fsspec")
+    if _has("gcsfs"):
+        pytest.skip("gcsfs is installed")
+    # the command line says which pip install fixes it, before any work
+    assert run_batch(det_server, ["gs://lake/a.tar"], tmp_path / "o.parquet") == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'hookserve[gcs]'" in err and len(err.splitlines()) == 1, err
+    # one shard from Python: an error row that is not final, and no marker
+    with pytest.raises(ShardIncomplete, match="hookserve\\[gcs\\]") as e:
+        run_shard("gs://lake/a.tar", str(tmp_path / "p.parquet"), ["fc"],
+                  server=det_server.address, resize=32, crop=(32, 32))
+    assert e.value.result.reason.startswith("FAILED_PRECONDITION")
+    assert markers(str(tmp_path / "p.parquet")) == {}
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def test_resource_exhausted_is_not_final(det_server, make_server, tmp_path, capsys):
+    """An image over a server budget: its row is RESOURCE_EXHAUSTED, the shard stays
+    open; against a server with room, the rerun finishes it."""
+    small = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
+                        "--max-batch-size", "1", "--max-stream-buffer-bytes", "8000")
+    tar = tmp_path / "s.tar"
+    tar.write_bytes(TAR)
+    out = tmp_path / "o.npy"  # fc and layer1 (64x8x8, 16 KB an answer: over 8000 bytes)
+    assert run_batch(small, [str(tar)], out, "--layers", "layer1") == EXIT_INCOMPLETE
+    assert "RESOURCE_EXHAUSTED" in capsys.readouterr().err
+    assert markers(str(out)) == {}
+    assert run_batch(det_server, [str(tar)], out, "--layers", "layer1") == 0
+    assert markers(str(out))[str(tar)]["rows"] == len(IMAGES)
+
+
+def test_final_failures_alone_give_a_marker(det_server, tmp_path):
+    tar = tmp_path / "s.tar"
+    tar.write_bytes(tar_bytes(IMAGES + [("bad.png", b"not an image")]))
+    out = tmp_path / "o.parquet"
+    assert run_batch(det_server, [str(tar)], out) == 1
+    m = markers(str(out))[str(tar)]
+    assert (m["rows"], m["failed"]) == (len(IMAGES), 1)
+    assert read_out(str(out))[1] == {f"{tar}/bad.png": "INVALID_ARGUMENT"}
+    assert FINAL_CODES == {"INVALID_ARGUMENT", "OUT_OF_RANGE", "ALREADY_EXISTS"}
+    assert not any(is_final(c) for c in ("NOT_FOUND", "UNAVAILABLE", "RESOURCE_EXHAUSTED",
+                                         "DATA_LOSS", "FAILED_PRECONDITION", "INTERNAL",
+                                         "DEADLINE_EXCEEDED", "PERMISSION_DENIED"))
+
+
+@pytest.mark.parametrize("damage", ["delete-part", "cut-part", "garbage-marker",
+                                    "other-shard-marker"])
+def test_a_marker_whose_part_is_gone_is_ignored(det_server, tmp_path, capsys, damage):
+    tar = tmp_path / "s.tar"
+    tar.write_bytes(TAR)
+    out = tmp_path / "o.parquet"
+    assert run_batch(det_server, [str(tar)], out) == 0
+    (marker,) = [out / n for n in os.listdir(out) if n.startswith("_done-")]
+    (part,) = [out / n for n in os.listdir(out) if n.startswith("part-")]
+    if damage == "delete-part":
+        part.unlink()
+    elif damage == "cut-part":
+        part.write_bytes(part.read_bytes()[:-100])
+    elif damage == "garbage-marker":
+        marker.write_text("{not json")
+    else:
+        marker.write_text(json.dumps({**json.loads(marker.read_text()), "shard": "x.tar"}))
+    capsys.readouterr()
+    assert run_batch(det_server, [str(tar)], out) == 0
+    err = capsys.readouterr().err
+    assert "it is done again" in err and "skipped 0" in err, err
+    ids, _ = read_out(str(out))
+    assert sorted(ids) == [f"{tar}/{n}" for n, _ in IMAGES]
+    assert run_batch(det_server, [str(tar)], out) == 0
+    assert "skipped 1" in capsys.readouterr().err  # now it is trusted again
+
+
+def test_a_finished_shard_drops_what_an_earlier_try_left(det_server, tmp_path):
+    """A try that failed wrote its errors file; the try that finishes the shard with no
+    failure removes it, so the output lists only what is true now."""
+    FaultyFS.reset()
+    fs = FaultyFS()
+    fs.pipe("/lake/b.tar", TAR)
+    FaultyFS.faults[fs._strip_protocol("faulty://lake/b.tar")] = {"cut": 3000}
+    out = tmp_path / "o.npy"
+    assert run_batch(det_server, ["faulty://lake/b.tar"], out) == EXIT_INCOMPLETE
+    assert any(n.startswith("_errors-") for n in os.listdir(out))
+    assert run_batch(det_server, ["faulty://lake/b.tar"], out) == 0
+    names = os.listdir(out)
+    assert not any(n.startswith("_errors-") for n in names)
+    (m,) = markers(str(out)).values()
+    assert m["rows"] == len(IMAGES) and all(os.path.getsize(out / f) == size
+                                            for f, size in m["files"].items())
