@@ -40,7 +40,8 @@ async def until(cond, timeout: float = 30.0, what: str = "") -> None:
 
 def calls(s, code: str, method: str = "Extract") -> int:
     v = s.telemetry.registry.get_sample_value(
-        "hookserve_requests_total", {"method": method, "model": "resnet18", "code": code})
+        "hookserve_requests_total",
+        {"method": method, "model": "resnet18", "code": code, "attribution_method": ""})
     return int(v or 0)
 
 
