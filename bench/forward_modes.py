@@ -124,7 +124,7 @@ def main() -> int:
         f = max(first[(mode, b)] for b in a.batch)
         d = max(diff[(mode, b)] for b in a.batch)
         print(f"{mode:<18}" + "".join(f"{v:>12.1f}" for v in r) + f"{f:>14.2f}{d:>14.1e}")
-        rows.append({"mode": mode, "img_s": dict(zip(map(str, a.batch), r)),
+        rows.append({"mode": mode, "img_s": dict(zip(map(str, a.batch), r, strict=True)),
                      "first_call_s": f, "max_rel_diff": d})
     out = a.out or (Path(__file__).parent / "results"
                     / time.strftime("%Y%m%dT%H%M%SZ-forward.json", time.gmtime()))

@@ -59,7 +59,7 @@ def test_cuda_features_equal_cpu(make_server, cpu_answers, extra, rel):
     s = cuda_server(make_server, "--device", DEVICE, *extra)
     with s.client(timeout=120) as c:
         assert c.describe("resnet18").model.device == DEVICE
-        for im, w in zip(imgs, want):
+        for im, w in zip(imgs, want, strict=True):
             got = c.extract(encode(im), LAYERS, model="resnet18")
             for name in LAYERS:
                 close(got[name], w[name], rel)
