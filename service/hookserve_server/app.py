@@ -116,7 +116,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
                 "max_image_pixels",
                 "max_response_bytes", "max_input_side", "preprocess_workers",
                 "max_message_bytes", "chunk_bytes", "max_side_streams",
-                "max_attribution_cost")
+                "max_attribution_cost", "attribution_pass_cost")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
@@ -166,7 +166,8 @@ def build(args: argparse.Namespace):
         max_preprocess_bytes=args.max_preprocess_bytes,
         max_image_pixels=args.max_image_pixels, max_response_bytes=args.max_response_bytes,
         max_input_side=args.max_input_side, preprocess_workers=args.preprocess_workers,
-        gpu_decode=args.gpu_decode, max_attribution_cost=args.max_attribution_cost)
+        gpu_decode=args.gpu_decode, max_attribution_cost=args.max_attribution_cost,
+        attribution_pass_cost=args.attribution_pass_cost)
     engine = Engine(models, cfg, telemetry)
     opts = ServerOptions(
         host=args.host, port=args.port, max_streams=args.max_streams,
