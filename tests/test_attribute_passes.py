@@ -164,3 +164,17 @@ def test_attribution_messages_name_the_sdk_parameters(server, imgs):
     both = attribute(server, spec, imgs[:1], [3])[0]["status"].message
     for msg, words in ((bad_target, "target 1000 is out of range"), (both, "target")):
         assert words in msg and not any(w in msg for w in WIRE_ONLY), msg
+
+
+def test_an_image_over_the_memory_cap_is_refused_naming_what_to_lower(make_server):
+    s = make_server(*FLAGS, "--max-batch-bytes", str(30 << 20))
+    with s.client(timeout=60) as c:
+        need = c.describe("resnet18").gradient_bytes_per_image
+        assert need > 30 << 20                 # the input-space figure at 224x224
+        spec = pb.AttributionSpec(method=pb.ATTRIBUTION_METHOD_GRADIENT)   # default: 224
+        err = call_error(s, spec, [rand_image(64, 64)])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-batch-bytes" in err.details() and "top_k" in err.details()
+    # a CAM map at layer4 holds far less, and runs
+    spec = pb.AttributionSpec(method=pb.ATTRIBUTION_METHOD_GRAD_CAM, layer="layer4")
+    assert ok(attribute(s, spec, [rand_image(64, 64)])[0])["map"].shape == (7, 7)

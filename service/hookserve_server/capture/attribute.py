@@ -135,15 +135,12 @@ class AttributionJob:
         """The next pass: its slot group and rows (point, image). A pass never mixes slot
         groups, nor SmoothGrad's clean forwards with its samples."""
         q, p, i = self._cursor
+        group = q
         clean = self._sg and p == 0
         rows = []
-        while (len(rows) < self.plan.rows and q == self._cursor[0] < self.groups
-               and (self._sg and p == 0) == clean):
+        while q == group and len(rows) < self.plan.rows and (self._sg and p == 0) == clean:
             rows.append((p, i))
             q, p, i = self._advance(q, p, i)
-            if q != self._cursor[0]:
-                break
-        group = self._cursor[0]
         self._cursor = (q, p, i)
         return group, rows
 

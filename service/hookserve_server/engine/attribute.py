@@ -1,13 +1,14 @@
 """The Attribute path of the engine: validating a spec, sizing its memory, and running
-a batch on the model's thread.
+a batch on the model's thread, pass by pass.
 
 An Attribute image travels the same stages as an Extract image (session window,
 admission, preparation, batch queue, device worker); what differs is carried by its
 WorkItem's ``task``: the resolved spec and the image's target class. Its batch key
-includes the whole spec, so one batch shares method, layer and parameters; targets
-differ per image. The pass runs with autograd on (no inference_mode, no early stop)
-in capture/attribute.py; the batch is bounded by `gradient_bytes`, which counts what
-autograd saves for the backward pass.
+includes the whole spec and the call, so one batch shares method, layer, parameters
+and call; targets differ per image. The batch becomes a job (`start_job`): the
+passes of capture/attribute.py (autograd on, no inference_mode, no early stop), cut
+by `pass_plan` to --attribution-pass-cost, and the memory it holds
+(`attribution_memory`), which the worker counts against --max-batch-bytes.
 """
 
 from __future__ import annotations
@@ -252,10 +253,11 @@ def attribution_sizes(limits: Limits, m: ServedModel, spec: AttributionSpec, h: 
     cap = limits.config.max_batch_bytes
     if memory > cap:
         raise ResourceExhausted(
-            f"an Attribute pass of {m.name} at input {h}x{w} holds about "
-            f"{size_text(memory)} per image (the graph saved for the backward pass), "
-            f"over this server's --max-batch-bytes of {size_text(cap)}: use a smaller "
-            "input size (resize/crop), or a CAM method at a later layer")
+            f"an Attribute image of {m.name} at input {h}x{w} holds about "
+            f"{size_text(memory)} (its maps, the graph saved for the backward pass, "
+            f"scratch memory), over this server's --max-batch-bytes of {size_text(cap)}: "
+            "use a smaller input size (resize/crop), a smaller top_k, or a CAM method at "
+            "a later layer")
     if answer > limits.config.max_response_bytes:
         raise ResourceExhausted(
             f"the maps for one image at input {h}x{w} would be {size_text(answer)}, over "
@@ -276,7 +278,7 @@ def pass_plan(spec: AttributionSpec, images: int, memory: AttributionMemory, roo
     slots = k if 1 + 2 * k <= budget else max(1, (budget - 1) // 2)
     rows = max(1, budget // (1 + 2 * slots))
     rows = min(rows, cfg.max_batch_size, images * spec.passes)
-    rows = min(rows, max(1, (room - images * memory.state) // max(1, memory.row)))
+    rows = min(rows, max(1, (room - memory.job(images, 0)) // max(1, memory.row)))
     return PassPlan(rows=rows, slots=slots)
 
 
