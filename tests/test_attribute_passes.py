@@ -15,6 +15,11 @@ import torch
 from test_attribute import NATIVE, attribute, call_error, model_input, ok, oracle_model
 
 from hookserve.v1 import hookserve_pb2 as pb
+from hookserve_server.attribution_spec import AttributeInput, AttributionSpec, Method
+from hookserve_server.engine.core import Engine
+from hookserve_server.engine.types import EngineConfig
+from hookserve_server.models import ServedModel, build_model
+from hookserve_server.spec import Mode, Preprocess
 
 from conftest import rand_image
 
@@ -178,3 +183,34 @@ def test_an_image_over_the_memory_cap_is_refused_naming_what_to_lower(make_serve
     # a CAM map at layer4 holds far less, and runs
     spec = pb.AttributionSpec(method=pb.ATTRIBUTION_METHOD_GRAD_CAM, layer="layer4")
     assert ok(attribute(s, spec, [rand_image(64, 64)])[0])["map"].shape == (7, 7)
+
+
+def test_a_pass_out_of_memory_restarts_its_batch_with_fewer_rows(imgs):
+    # The model refuses any forward of more than one row, as a host allocation that
+    # fails would: the batch starts over with half the rows, down to one.
+    module, info = build_model("resnet18", "random", 0)
+
+    def one_row_only(mod, args):
+        if args[0].shape[0] > 1:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    module.register_forward_pre_hook(one_row_only)
+    m = ServedModel("resnet18", "resnet18", module, info, torch.device("cpu"), "float32",
+                    False)
+    engine = Engine([m], EngineConfig(attribution_pass_cost=1024)).start()
+    try:
+        spec = AttributionSpec("resnet18", Method.INTEGRATED_GRADIENTS, ig_steps=4,
+                               preprocessing=Preprocess(Mode.NATIVE))
+        images = [AttributeInput(f"i{n}", raw=a.tobytes(), height=32, width=32)
+                  for n, a in enumerate(imgs[:2])]
+        results = list(engine.session().run([spec, *images]))
+        assert engine.attribution_passes == 2 * 5     # one row a pass, in the end
+    finally:
+        engine.close()
+    for r, arr in zip(results, imgs[:2], strict=True):
+        assert r.error is None, r.error
+        (out,) = r.outputs
+        x = model_input(arr)
+        want = ig_by_hand(x, [out.targets[0].target.class_index], 4)[0]
+        got = np.frombuffer(out.data, "<f4").reshape(out.shape)
+        np.testing.assert_allclose(got, want.numpy(), **GRAD_TOL)

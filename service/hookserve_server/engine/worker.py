@@ -42,6 +42,9 @@ from .types import EngineConfig, WorkItem
 
 log = logging.getLogger("hookserve.engine")
 
+#: What an Attribute image that runs out of memory can ask for instead.
+ATTRIBUTION_FIX = "a smaller top_k, or a CAM method at a later layer"
+
 
 def is_oom(exc: BaseException) -> bool:
     oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -158,7 +161,7 @@ class DeviceWorker:
             self.jobs_started += 1
         except Exception as exc:
             for it in live:
-                _fail(it, self._error(exc, len(live)))
+                _fail(it, self._error(exc, len(live), ATTRIBUTION_FIX))
 
     def _attribution_pass(self, job: AttributeJob) -> bool:
         """One pass of `job`, unless its call ended; True when the job is over."""
@@ -179,6 +182,7 @@ class DeviceWorker:
         t0 = time.perf_counter()
         try:
             done = job.job.run_pass()
+            outputs = job.outputs() if done else None
         except Exception as exc:
             if is_oom(exc) and self._cuda:
                 torch.cuda.empty_cache()
@@ -188,23 +192,24 @@ class DeviceWorker:
                 job.job.restart(job.job.plan.rows // 2)
                 return False
             for it in job.items:
-                _fail(it, self._error(exc, len(job.items)))
+                _fail(it, self._error(exc, len(job.items), ATTRIBUTION_FIX))
             return True
         self.passes += 1
         self.telemetry.forward(model.name, job.job.plan.rows, time.perf_counter() - t0)
         if not done:
             return False
-        for it, out in zip(job.items, job.outputs(), strict=True):
+        for it, out in zip(job.items, outputs, strict=True):
             if not it.future.done():
                 it.future.set_result(out)
         return True
 
-    def _error(self, exc: Exception, n: int) -> HookserveError:
+    def _error(self, exc: Exception, n: int,
+               fix: str = "request fewer or earlier layers") -> HookserveError:
         """The error images get when their batch failed with `exc`."""
         if is_oom(exc):
             return ResourceExhausted(
                 "this image needs more device memory than is free: use a smaller "
-                "input size (preprocessing) or request fewer or earlier layers")
+                f"input size (preprocessing) or {fix}")
         if isinstance(exc, HookserveError):
             return exc
         log.exception("forward pass failed for a batch of %d", n)
