@@ -89,7 +89,8 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
         max_preprocess_bytes=args.max_preprocess_bytes,
         max_image_pixels=args.max_image_pixels, max_response_bytes=args.max_response_bytes,
         max_input_side=args.max_input_side, preprocess_workers=args.preprocess_workers,
-        gpu_decode=args.gpu_decode, max_attribution_cost=args.max_attribution_cost)
+        gpu_decode=args.gpu_decode, max_attribution_cost=args.max_attribution_cost,
+        attribution_pass_cost=args.attribution_pass_cost)
     engine = Engine(models, cfg, telemetry)
     return engine, create_server(engine, options), telemetry
 

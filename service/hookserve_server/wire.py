@@ -103,7 +103,7 @@ def to_image(msg: pb.Image, cls: type[ImageInput] = ImageInput, **extra) -> Imag
 def to_attribution_spec(msg: pb.AttributionSpec) -> AttributionSpec:
     """Unset (zero) numbers take the defaults the proto documents."""
     if msg.method == 0:
-        raise InvalidArgument(f"AttributionSpec.method is not set: use one of {Method.labels()}")
+        raise InvalidArgument(f"the spec sets no method: use one of {Method.labels()}")
     return AttributionSpec(
         model=msg.model, layer=msg.layer,
         method=_enum(Method, msg.method, None, "invalid method"),
@@ -112,7 +112,7 @@ def to_attribution_spec(msg: pb.AttributionSpec) -> AttributionSpec:
         relu=msg.relu if msg.HasField("relu") else None,
         normalize=msg.normalize, upsample=msg.upsample,
         ig_steps=msg.ig_steps or DEFAULT_IG_STEPS,
-        ig_baseline=_enum(Baseline, msg.ig_baseline, Baseline.ZEROS, "invalid ig_baseline"),
+        ig_baseline=_enum(Baseline, msg.ig_baseline, Baseline.ZEROS, "invalid baseline"),
         sg_samples=msg.sg_samples or DEFAULT_SG_SAMPLES,
         sg_sigma=msg.sg_sigma or DEFAULT_SG_SIGMA, sg_seed=msg.sg_seed)
 

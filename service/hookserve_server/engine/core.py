@@ -149,6 +149,17 @@ class Engine:
         """Images admitted and not yet answered, across all calls."""
         return self._admission.admitted
 
+    @property
+    def attribution_passes(self) -> int:
+        """Attribute passes run so far, on all devices."""
+        return sum(w.passes for w in self._workers.values())
+
+    @property
+    def attribution_jobs(self) -> tuple[int, int]:
+        """Attribute jobs (batches) started so far, and those running now."""
+        return (sum(w.jobs_started for w in self._workers.values()),
+                sum(w.jobs for w in self._workers.values()))
+
     def hook_count(self) -> int:
         """Forward hooks and pre-hooks registered on all served models (0 when idle)."""
         return sum(len(mod._forward_hooks) + len(mod._forward_pre_hooks)
@@ -210,7 +221,7 @@ class Engine:
     def gradient_bytes(self, m: ServedModel, h: int, w: int) -> int:
         """Memory one image holds in an Attribute pass of `m` at input HxW (the
         input-space methods' figure, the largest), as DescribeModel reports it."""
-        return gradient_bytes(m.layer_table(h, w), None)
+        return gradient_bytes(m, h, w)
 
     # -- work ------------------------------------------------------------------------
     def plan(self, spec: ResolvedSpec, image: ImageInput) -> ImagePlan:

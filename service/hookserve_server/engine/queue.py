@@ -5,8 +5,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Collection
 
-from .types import EngineConfig, WorkItem
+from .types import CallState, EngineConfig, WorkItem
 
 
 class BatchQueue:
@@ -41,37 +42,59 @@ class BatchQueue:
             self._closed = True
             self._cond.notify_all()
 
-    def next_batch(self) -> list[WorkItem] | None:
-        """Block for the next batch: same model and input size, FIFO by first item.
+    def next_batch(self, wait: bool = True, busy: Collection[CallState] = (),
+                   held: int = 0) -> list[WorkItem] | None:
+        """The next batch: same model and input size (an Attribute batch: one spec and
+        one call), FIFO by its first image.
 
-        Waits up to max_batch_delay_ms for more compatible images, but only while
-        images are still being prepared; under load the queue fills while the
-        previous batch runs, so no wait is needed. None once closed and empty.
+        Extract images are always eligible. An Attribute image is eligible unless its
+        call is in `busy` (a call has one Attribute batch on the model's thread at a
+        time), and while attribution holds `held` bytes, only if its memory fits in
+        the rest of --max-batch-bytes. A batch is bounded by --max-batch-size, by
+        --max-batch-bytes less `held`, and an Attribute batch by
+        --max-attribution-cost (its images' summed cost); its first image always fits.
+
+        With `wait`, blocks for an eligible image, then waits up to max_batch_delay_ms
+        for more compatible ones while images are still being prepared (under load
+        the queue fills while the previous batch runs). Without, it returns at once:
+        [] when nothing is eligible. None once closed and empty.
         """
         cfg = self.cfg
+        room = cfg.max_batch_bytes - held
+
+        def eligible(it: WorkItem) -> bool:
+            return it.task is None or (it.call not in busy
+                                       and (held <= 0 or it.activation_bytes <= room))
+
         with self._cond:
-            while not self._items:
-                if self._closed and self.incoming <= 0:
+            while True:
+                first = next((it for it in self._items if eligible(it)), None)
+                if first is not None:
+                    break
+                if self._closed and self.incoming <= 0 and not self._items:
                     return None
+                if not wait:
+                    return []
                 self._cond.wait()
-            first = self._items[0]
             key = first.key
             until = first.enqueued + cfg.max_batch_delay_ms / 1000.0
             while True:
-                batch, nbytes = [], 0
+                batch, nbytes, cost, left_out = [], 0, 0, False
                 for it in self._items:
                     if it.key != key:
                         continue
                     if batch and (len(batch) >= cfg.max_batch_size
-                                  or nbytes + it.activation_bytes > cfg.max_batch_bytes):
+                                  or nbytes + it.activation_bytes > room
+                                  or cost + it.cost > cfg.max_attribution_cost):
+                        left_out = True
                         break
                     batch.append(it)
                     nbytes += it.activation_bytes
-                full = (len(batch) >= cfg.max_batch_size
-                        or nbytes >= cfg.max_batch_bytes
-                        or len(batch) < sum(1 for it in self._items if it.key == key))
+                    cost += it.cost
+                full = (left_out or len(batch) >= cfg.max_batch_size or nbytes >= room
+                        or (first.task is not None and cost >= cfg.max_attribution_cost))
                 remaining = until - time.monotonic()
-                if full or self.incoming <= 0 or remaining <= 0 or self._closed:
+                if full or not wait or self.incoming <= 0 or remaining <= 0 or self._closed:
                     break
                 self._cond.wait(remaining)
             chosen = set(map(id, batch))

@@ -48,8 +48,11 @@ class EngineConfig:
     preprocess_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))
     #: Decode plain RGB JPEGs on the model's CUDA device (--gpu-decode); CPU otherwise.
     gpu_decode: bool = False
-    #: Largest Attribute request, in forward-equivalents per image (AttributionSpec.cost).
+    #: Largest Attribute request, in forward-equivalents (AttributionSpec.cost) per image,
+    #: per batch and per call at once on the model's thread.
     max_attribution_cost: int = 1024
+    #: Forward-equivalents of one Attribute pass; other work runs between passes.
+    attribution_pass_cost: int = 16
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,12 @@ class WorkItem:
 
     @property
     def key(self):
-        """Images with the same key can share a batch (an Attribute batch: one spec)."""
+        """Images with the same key can share a batch (an Attribute batch: one spec and
+        one call)."""
         return (self.model.name, self.pixels.shape[1], self.pixels.shape[2],
-                None if self.task is None else self.task.batch_key)
+                None if self.task is None else (self.task.batch_key, self.call))
+
+    @property
+    def cost(self) -> int:
+        """Forward-equivalents of this image (0 for Extract)."""
+        return 0 if self.task is None else self.task.spec.attribution.cost

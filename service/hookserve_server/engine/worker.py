@@ -6,10 +6,17 @@ out of memory, and hands finished batches to a completer thread, which waits for
 device-to-host copy and gives each image its own answer, off the model's thread. A
 lone image on the CPU (nothing to wait for, nothing to copy out of a batch) is
 answered on the model's thread: one thread hop less where latency matters most.
+
+An Attribute batch becomes a job (engine/attribute.py) that runs one pass at a time.
+The loop takes at most one batch from the queue, then runs one pass of the next job
+in turn (one job per call, round robin), so other calls' batches and jobs interleave
+with a long attribution between any two passes. Before each pass the job's call is
+checked: a cancelled call or a passed deadline ends the job there.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -29,11 +36,14 @@ from ..errors import (
 )
 from ..spec import LayerOutput, LayerSpec
 from ..telemetry import Telemetry
-from .attribute import run_batch as attribution_batch
+from .attribute import AttributeJob, start_job
 from .queue import BatchQueue
 from .types import EngineConfig, WorkItem
 
 log = logging.getLogger("hookserve.engine")
+
+#: What an Attribute image that runs out of memory can ask for instead.
+ATTRIBUTION_FIX = "a smaller top_k, or a CAM method at a later layer"
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -58,6 +68,10 @@ class DeviceWorker:
         self._cuda = device.type == "cuda"
         # Finished batches go to the completer thread.
         self._done: queue.SimpleQueue = queue.SimpleQueue()
+        #: Attribute jobs in turn (engine/attribute.py): at most one per call
+        self._jobs: collections.deque[AttributeJob] = collections.deque()
+        #: Attribute passes run and jobs started (Engine.attribution_passes, _jobs)
+        self.passes = self.jobs_started = 0
         self._thread = threading.Thread(target=self._loop, name=f"hookserve-{device}",
                                         daemon=True)
         self._completer = threading.Thread(target=self._complete_loop,
@@ -77,25 +91,47 @@ class DeviceWorker:
         self._completer.join(left())
 
     # -- the model's thread ------------------------------------------------------------
+    @property
+    def jobs(self) -> int:
+        """Attribute jobs started and not finished."""
+        return len(self._jobs)
+
     def _loop(self) -> None:
         if self._cuda:
             torch.cuda.set_device(self.device)
+        jobs = self._jobs
         while True:
-            batch = self.queue.next_batch()
-            if batch is None:
+            batch = self.queue.next_batch(wait=not jobs, busy={j.call for j in jobs},
+                                          held=sum(j.memory for j in jobs))
+            if batch is None and not jobs:
                 return
-            try:
-                self._serve_batch(batch)
-            except Exception:  # never let the model's only thread die
-                log.exception("device worker failed on a batch of %d", len(batch))
-                for it in batch:
-                    _fail(it, InternalError("internal error while running the model"))
-            # Let go before blocking for the next batch: an idle worker must not pin
-            # the last batch's pixels, answers (via its futures) and calls.
+            if batch:
+                try:
+                    self._serve_batch(batch)
+                except Exception:  # never let the model's only thread die
+                    log.exception("device worker failed on a batch of %d", len(batch))
+                    for it in batch:
+                        _fail(it, InternalError("internal error while running the model"))
+            # Let go before the next wait: an idle worker must not pin the last batch's
+            # pixels, answers (via its futures) and calls.
             batch = it = None
+            if jobs:
+                job = jobs[0]
+                try:
+                    over = self._attribution_pass(job)
+                except Exception:
+                    log.exception("device worker failed on an attribution pass")
+                    for it in job.items:
+                        _fail(it, InternalError("internal error while running the model"))
+                    over = True
+                if over:
+                    jobs.popleft()
+                else:
+                    jobs.rotate(-1)  # its turn comes again after the others'
+                job = it = None
 
-    def _serve_batch(self, batch: list[WorkItem]) -> None:
-        self.telemetry.queue_depth(str(self.device), len(self.queue))
+    def _live(self, batch: list[WorkItem]) -> list[WorkItem]:
+        """The images whose call is still on; the others get their error."""
         live = []
         now = time.monotonic()
         for it in batch:
@@ -107,8 +143,77 @@ class DeviceWorker:
             else:
                 self.telemetry.queue_wait_seconds(now - it.enqueued)
                 live.append(it)
-        if live:
+        return live
+
+    def _serve_batch(self, batch: list[WorkItem]) -> None:
+        self.telemetry.queue_depth(str(self.device), len(self.queue))
+        live = self._live(batch)
+        if not live:
+            return
+        if live[0].task is None:
             self._run(live)
+            return
+        held = sum(j.memory for j in self._jobs)
+        try:
+            x = stack_inputs(live[0].model, [it.pixels for it in live], self.device)
+            self._jobs.append(start_job(live[0].model, x, live,
+                                        self.cfg.max_batch_bytes - held, self.cfg))
+            self.jobs_started += 1
+        except Exception as exc:
+            for it in live:
+                _fail(it, self._error(exc, len(live), ATTRIBUTION_FIX))
+
+    def _attribution_pass(self, job: AttributeJob) -> bool:
+        """One pass of `job`, unless its call ended; True when the job is over."""
+        call = job.call
+        if call.cancelled or call.expired():
+            done, total = job.job.passes, job.job.total_passes()
+            err: HookserveError = Cancelled(
+                f"the call was cancelled after {done} of its {total} attribution passes")
+            if not call.cancelled:
+                err = DeadlineExceeded(
+                    f"the call's deadline passed after {done} of the {total} attribution "
+                    "passes of its batch: allow more time, or ask for fewer steps, "
+                    "samples or top_k")
+            for it in job.items:
+                _fail(it, err)
+            return True
+        model = job.items[0].model
+        t0 = time.perf_counter()
+        try:
+            done = job.job.run_pass()
+            outputs = job.outputs() if done else None
+        except Exception as exc:
+            if is_oom(exc) and self._cuda:
+                torch.cuda.empty_cache()
+            if is_oom(exc) and job.job.plan.rows > 1:
+                log.warning("out of memory in an attribution pass of %d rows: restarting "
+                            "its batch with half the rows", job.job.plan.rows)
+                job.job.restart(job.job.plan.rows // 2)
+                return False
+            for it in job.items:
+                _fail(it, self._error(exc, len(job.items), ATTRIBUTION_FIX))
+            return True
+        self.passes += 1
+        self.telemetry.forward(model.name, job.job.plan.rows, time.perf_counter() - t0)
+        if not done:
+            return False
+        for it, out in zip(job.items, outputs, strict=True):
+            if not it.future.done():
+                it.future.set_result(out)
+        return True
+
+    def _error(self, exc: Exception, n: int,
+               fix: str = "request fewer or earlier layers") -> HookserveError:
+        """The error images get when their batch failed with `exc`."""
+        if is_oom(exc):
+            return ResourceExhausted(
+                "this image needs more device memory than is free: use a smaller "
+                f"input size (preprocessing) or {fix}")
+        if isinstance(exc, HookserveError):
+            return exc
+        log.exception("forward pass failed for a batch of %d", n)
+        return InternalError("internal error while running the model")
 
     def _run(self, items: list[WorkItem]) -> None:
         try:
@@ -123,14 +228,7 @@ class DeviceWorker:
                     self._run(items[:half])
                     self._run(items[half:])
                     return
-                err: HookserveError = ResourceExhausted(
-                    "this image needs more device memory than is free: use a smaller "
-                    "input size (preprocessing) or request fewer or earlier layers")
-            elif isinstance(exc, HookserveError):
-                err = exc
-            else:
-                log.exception("forward pass failed for a batch of %d", len(items))
-                err = InternalError("internal error while running the model")
+            err = self._error(exc, len(items))
             for it in items:
                 _fail(it, err)
             return
@@ -146,19 +244,15 @@ class DeviceWorker:
         self._done.put((event, items, outputs))
 
     def _forward(self, items: list[WorkItem]) -> list[list]:
-        """Per image: (LayerSpec, tensor) pairs (Extract), or its finished answer, an
-        AttributionOutput on the CPU (Attribute: engine/attribute.py)."""
+        """Per image: (LayerSpec, tensor) pairs."""
         model = items[0].model
         t0 = time.perf_counter()
         x = stack_inputs(model, [it.pixels for it in items], self.device)
-        if items[0].task is not None:
-            outputs = attribution_batch(model, x, items)
-        else:
-            plan = CapturePlan.for_batch(model, (it.layers for it in items))
-            captured = capture(model, x, plan)
-            if self._cuda:
-                captured = to_host(captured)
-            outputs = [[(s, captured[s][i]) for s in it.layers] for i, it in enumerate(items)]
+        plan = CapturePlan.for_batch(model, (it.layers for it in items))
+        captured = capture(model, x, plan)
+        if self._cuda:
+            captured = to_host(captured)
+        outputs = [[(s, captured[s][i]) for s in it.layers] for i, it in enumerate(items)]
         self.telemetry.forward(model.name, len(items), time.perf_counter() - t0)
         return outputs
 
@@ -178,12 +272,11 @@ class DeviceWorker:
             if event is not None:
                 event.synchronize()
             for it, out in zip(items, outputs, strict=True):
-                if it.task is None:  # Attribute answers come finished
-                    if len(items) > 1:
-                        # A row is a view of the whole batch tensor: copy it, so a slow
-                        # reader holding one answer does not pin the batch's answers.
-                        out = [(spec, t.clone()) for spec, t in out]
-                    out = [layer_output(s, t) for s, t in out]
+                if len(items) > 1:
+                    # A row is a view of the whole batch tensor: copy it, so a slow
+                    # reader holding one answer does not pin the batch's answers.
+                    out = [(spec, t.clone()) for spec, t in out]
+                out = [layer_output(s, t) for s, t in out]
                 if not it.future.done():
                     it.future.set_result(out)
         except Exception:
