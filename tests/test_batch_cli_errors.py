@@ -53,7 +53,7 @@ def _one_line_exit_2(capsys, argv) -> str:
     (["--retries", "-1"], "--retries must be at least 0"),
     (["--checkpoint", "0"], "--checkpoint must be at least 1"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds"),
-    (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "nan"], "argument --timeout: expected seconds"),
     (["--checkpoint-secs", "-1"], "--checkpoint-secs must be a positive number"),
     (["--streams", "many"], "argument --streams: invalid int value"),
     (["--dtype", "int8"], "argument --dtype: invalid choice"),

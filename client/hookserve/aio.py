@@ -203,6 +203,7 @@ class Client(ClientBase):
             queue: asyncio.Queue = asyncio.Queue()
             call = getattr(endpoints.stubs[index], run.rpc)(
                 timeout=run.time_left(), metadata=endpoints.metadata)
+            run._opened(call)
             sender = asyncio.create_task(_send(call, queue))
             steps = run.steps()
             try:

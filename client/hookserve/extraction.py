@@ -91,6 +91,9 @@ class Extraction:
     def _image_request(self, p: _Pending) -> Any:
         return pb.ExtractRequest(image=p.image)
 
+    def _opened(self, call: Any) -> None:
+        """A new call of this run has started (a hook for watchers: it can be cancelled)."""
+
     def _reset(self) -> None:
         """Forget a partly received answer (a new image, or a new stream)."""
         self._got = Collected()
@@ -197,6 +200,7 @@ class Extraction:
 
         call = getattr(stub, self.rpc)(gen(), timeout=self.time_left(),
                                        metadata=self.endpoints.metadata)
+        self._opened(call)
         responses = iter(call)
         steps = self.steps()
         try:

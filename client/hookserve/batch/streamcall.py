@@ -66,10 +66,9 @@ class _Watched(Extraction):
         self.timed_out = False
         watchdog.watch(self)
 
-    def _open(self, stub, requests, timeout):
-        self.call = super()._open(stub, requests, timeout)
+    def _opened(self, call: Any) -> None:
+        self.call = call
         self.last = time.monotonic()
-        return self.call
 
     def _absorb(self, msg: Any) -> Any:
         self.last = time.monotonic()
