@@ -159,6 +159,28 @@ def test_single_flight_16_concurrent_identical_requests(cached_server):
     assert n.hit + n.coalesced == 15
 
 
+def test_attribute_answers_are_cached_keyed_on_method_target_and_steps(cached_server, cc):
+    img = rand_image(seed=550)
+    engine = cached_server.engine
+    passes = engine.attribution_passes
+    fresh = cc.attribute(img, "layer4", "grad_cam", target=3)
+    assert fresh.ok and not fresh.cached
+    again = cc.attribute(img, "layer4", "grad_cam", target=3)
+    assert again.cached and engine.attribution_passes == passes + 1
+    assert again.map.tobytes() == fresh.map.tobytes()
+    assert again.targets == fresh.targets and again.top5 == fresh.top5
+    # Each of these is another answer: computed, not served.
+    for kw in ({"method": "layer_cam"}, {"target": 4}, {"layer": "layer3"}):
+        args = {"layer": "layer4", "method": "grad_cam", "target": 3, **kw}
+        assert not cc.attribute(img, **args).cached, kw
+    ig = cc.attribute(img, None, "integrated_gradients", target=3, steps=4)
+    assert not cc.attribute(img, None, "integrated_gradients", target=3, steps=5).cached
+    assert cc.attribute(img, None, "integrated_gradients", target=3, steps=4).cached
+    assert not ig.cached
+    # An Extract answer of the same image is not an Attribute one, and back.
+    assert not one(cc, img, ["layer4"]).cached
+
+
 def test_lru_bound_holds(make_server):
     # layer4 unreduced at 224x224: 512x7x7 float32 = 100352 bytes an entry
     s = make_server(*BASE, "--cache-bytes", "256KiB")
