@@ -7,6 +7,7 @@ Forwards are counted by the server's own Prometheus metrics (images per forward 
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 import hookserve
 from hookserve import Layer
 
-from conftest import RunningServer, rand_image
+from conftest import RunningServer, encode, rand_image
 
 BASE = ("--model", "resnet18", "--weights", "random", "--seed", "0",
         "--max-batch-size", "1", "--max-batch-delay-ms", "1", "--metrics-port", "0")
@@ -179,6 +180,35 @@ def test_attribute_answers_are_cached_keyed_on_method_target_and_steps(cached_se
     assert not ig.cached
     # An Extract answer of the same image is not an Attribute one, and back.
     assert not one(cc, img, ["layer4"]).cached
+
+
+def test_batch_over_duplicates_forwards_each_unique_file_once(cached_server, tmp_path,
+                                                             capsys):
+    """`hookserve batch` over a folder where half the files repeat others: one forward
+    per unique file (single-flight in the run, the cache after it); one row per input,
+    duplicates recognisable by their sha256; a rerun into a new output computes none."""
+    import pyarrow.parquet as pq
+
+    from hookserve.cli import main
+
+    root = tmp_path / "in"
+    root.mkdir()
+    for i in range(6):
+        data = encode(rand_image(seed=900 + i))
+        (root / f"u{i}.png").write_bytes(data)
+        (root / f"z{i}.png").write_bytes(data)
+    n = Counting(cached_server)
+    for run in ("first", "rerun"):
+        out = str(tmp_path / f"{run}.parquet")
+        assert main(["batch", str(root), "--out", out, "--layers", "layer4:avg,fc",
+                     "--server", cached_server.address, "--no-progress"]) == 0
+        assert "done 12, skipped 0, failed 0" in capsys.readouterr().err
+        t = pq.read_table(out)
+        sha = dict(zip((os.path.basename(p) for p in t.column("path").to_pylist()),
+                       t.column("sha256").to_pylist(), strict=True))
+        assert len(sha) == 12 and len(set(sha.values())) == 6
+        assert all(sha[f"u{i}.png"] == sha[f"z{i}.png"] for i in range(6))
+        assert n.forwards == 6, run
 
 
 def test_lru_bound_holds(make_server):
