@@ -327,3 +327,38 @@ def test_redis_killed_mid_run_requests_go_on_as_misses(make_server, redis_server
     assert all(r.ok and not r.cached for r in results)
     assert n.forwards == 4 and n.miss == 4
     assert n.error >= 4  # each lookup failed or was skipped, and said so
+
+
+def test_a_stopped_redis_is_a_miss_after_the_timeout(make_server, redis_server):
+    """A Redis that takes connections and never answers (SIGSTOP): lookups time out,
+    the images are computed, and the timeouts are counted."""
+    import signal
+
+    s = shared_server(make_server, redis_server, "--cache-timeout-ms", "200")
+    with s.client(timeout=120) as c:
+        one(c, rand_image(seed=850), ["fc"])  # a connection is open before the stop
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            n = Counting(s, "shared")
+            results = list(c.extract_many([rand_image(seed=851 + i) for i in range(3)],
+                                          ["fc"]))
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+    assert all(r.ok and not r.cached for r in results)
+    assert n.forwards == 3 and n.miss == 3 and n.error >= 3
+
+
+def test_redis_values_have_a_ttl_and_a_size_cap(make_server, redis_server):
+    import redis
+
+    s = shared_server(make_server, redis_server, "--cache-ttl-seconds", "600",
+                      "--cache-max-value-bytes", "64KiB")
+    with s.client(timeout=120) as c:
+        # fc: 1000 float32 = 4000 bytes, kept; layer4 unreduced: 100352 bytes, over the cap
+        one(c, rand_image(seed=870), ["fc", "layer4"])
+    assert s.engine.cache.shared.flush()
+    db = redis.Redis(port=redis_server.port)
+    keys = db.keys("hookserve:*")
+    assert len(keys) == 1
+    assert 0 < db.ttl(keys[0]) <= 600
+    db.close()

@@ -51,19 +51,14 @@ class AnswerCache:
         self.local = local
         self.shared = shared
         self.telemetry = telemetry or Telemetry()
-        self._counts_lock = threading.Lock()
-        #: units by outcome: hit (local), shared_hit, coalesced, miss
-        self.counts = {"hit": 0, "shared_hit": 0, "coalesced": 0, "miss": 0}
         self._restarts = ThreadPoolExecutor(1, thread_name_prefix="hookserve-cache")
 
     @property
     def capacity(self) -> int:
         return self.local.capacity
 
-    def _count(self, tier: str, event: str, outcome: str, n: int = 1) -> None:
+    def _count(self, tier: str, event: str, n: int) -> None:
         if n:
-            with self._counts_lock:
-                self.counts[outcome] += n
             self.telemetry.cache_event(tier, event, n)
 
     def close(self) -> None:
@@ -101,8 +96,8 @@ class AnswerCache:
                     lead.append(i)
                 else:
                     waits += 1
-        self._count("local", "hit", "hit", hits)
-        self._count("local", "coalesced", "coalesced", waits)
+        self._count("local", "hit", hits)
+        self._count("local", "coalesced", waits)
         if lead and self.shared is not None:
             found = self.shared.get_many([unit_keys[i] for i in lead])
             for i in [i for i in lead if unit_keys[i] in found]:
@@ -110,8 +105,9 @@ class AnswerCache:
                 self.local.finish(unit_keys[i], value)
                 parts[i] = marked(value)
                 lead.remove(i)
-            self._count("shared", "hit", "shared_hit", len(found))
-        self._count("local" if self.shared is None else "shared", "miss", "miss", len(lead))
+            self._count("shared", "hit", len(found))
+        # a miss is counted once, by the last tier asked
+        self._count("local" if self.shared is None else "shared", "miss", len(lead))
         gather = _Gather(self, (spec, image, call, fut, compute), parts, set(lead), restarts)
         if lead:
             self._compute(spec, call, unit_keys, lead, parts, compute)
