@@ -234,6 +234,9 @@ def test_cache_flags_are_checked(make_server):
         make_server(*BASE, "--cache-bytes", "1G", "--max-buffer-bytes", str(1 << 30))
     with pytest.raises(ConfigError, match="redis://HOST:PORT"):
         make_server(*BASE, "--cache-url", "http://example:6379")
+    for bad in ("12XB", "inf", "nan", "MiB"):
+        with pytest.raises(SystemExit):
+            make_server(*BASE, "--cache-bytes", bad)
 
 
 # -- the shared tier: a real redis-server ---------------------------------------------

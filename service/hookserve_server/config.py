@@ -56,9 +56,15 @@ def byte_size(value: str) -> int:
     text = str(value).strip().lower()
     number = text.rstrip("kmgib")
     unit = text[len(number):]
-    if unit not in SIZE_UNITS or not number.strip():
-        raise ValueError(value)
-    return int(float(number) * SIZE_UNITS[unit])
+    try:
+        if unit not in SIZE_UNITS:
+            raise ValueError(unit)
+        return int(float(number) * SIZE_UNITS[unit])
+    except (ValueError, OverflowError):
+        where = f"{value.env}=" if isinstance(value, _FromEnv) else ""
+        raise argparse.ArgumentTypeError(
+            f"{where}{str(value)!r} is not a size: use bytes, or a number with K, M or G "
+            "(KiB, MiB, GiB: 512MiB, 2G)") from None
 
 
 def _env(flag: str) -> str:
