@@ -365,3 +365,54 @@ def test_redis_values_have_a_ttl_and_a_size_cap(make_server, redis_server):
     assert len(keys) == 1
     assert 0 < db.ttl(keys[0]) <= 600
     db.close()
+
+
+def test_waiters_start_over_when_the_computation_they_followed_was_cancelled(cached_server):
+    """Single-flight's failure rule, on the cache itself with the server's real model
+    and spec, and a compute step the test finishes by hand: a computation that ends for
+    its own call's reason (cancelled) sends its waiters to compute for themselves; an
+    error about the bytes (INVALID_ARGUMENT) is theirs too."""
+    from concurrent.futures import Future
+
+    from hookserve_server.cache.front import AnswerCache
+    from hookserve_server.cache.local import LocalCache
+    from hookserve_server.engine.types import CallState
+    from hookserve_server.errors import Cancelled, InvalidArgument
+    from hookserve_server.spec import DType, ExtractionSpec, ImageInput, LayerOutput, LayerSpec
+
+    spec = cached_server.engine.resolve(ExtractionSpec("resnet18", (LayerSpec("fc"),)))
+    cache = AnswerCache(LocalCache(1 << 20))
+    computing: list[Future] = []
+    started = threading.Semaphore(0)
+
+    def compute(part, fut: Future) -> None:
+        computing.append(fut)
+        started.release()
+
+    image = ImageInput("x", raw=bytes(12), height=2, width=2)
+    leader_call = CallState()
+    a, b = Future(), Future()
+    cache.submit(spec, image, leader_call, a, compute)
+    cache.submit(spec, image, CallState(), b, compute)
+    assert started.acquire(timeout=5) and len(computing) == 1  # b waits on a's work
+    leader_call.cancel()
+    computing[0].set_exception(Cancelled("the call was cancelled"))
+    assert isinstance(a.exception(timeout=5), Cancelled)  # the leader's own error
+    assert started.acquire(timeout=5) and len(computing) == 2  # b computes for itself
+    value = LayerOutput("fc", DType.FLOAT32, (1,), memoryview(bytes(4)))
+    computing[1].set_result([value])
+    assert b.result(timeout=5) == [value]
+    c: Future = Future()
+    cache.submit(spec, image, CallState(), c, compute)
+    assert c.result(timeout=5)[0].cached and len(computing) == 2
+
+    other = ImageInput("y", raw=bytes(range(12)), height=2, width=2)
+    d, e = Future(), Future()
+    cache.submit(spec, other, CallState(), d, compute)
+    cache.submit(spec, other, CallState(), e, compute)
+    assert started.acquire(timeout=5) and len(computing) == 3
+    computing[2].set_exception(InvalidArgument("the image is corrupt"))
+    assert isinstance(d.exception(timeout=5), InvalidArgument)
+    assert isinstance(e.exception(timeout=5), InvalidArgument)
+    assert len(computing) == 3  # nobody computed it again
+    cache.close()
