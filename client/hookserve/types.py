@@ -105,7 +105,8 @@ class LayerInfo:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A served model: architecture, weights in use, device, dtype, preprocessing."""
+    """A served model: architecture, weights in use, device, dtype, precision,
+    preprocessing."""
 
     name: str
     architecture: str
@@ -120,6 +121,8 @@ class ModelInfo:
     crop: tuple[int, int]
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    #: "fp32", "bf16" or "fp16": the arithmetic of its forward pass (autocast)
+    precision: str = "fp32"
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -130,7 +133,7 @@ class ModelInfo:
             pretrained=m.weights.pretrained, weights_verified=m.weights.verified,
             device=m.device, dtype=DTYPE_FROM_WIRE.get(m.dtype, "float32"),
             resize=p.resize, crop=(p.crop_height, p.crop_width),
-            mean=tuple(p.mean), std=tuple(p.std))
+            mean=tuple(p.mean), std=tuple(p.std), precision=m.precision or "fp32")
 
 
 @dataclass(frozen=True)

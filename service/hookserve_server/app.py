@@ -16,12 +16,14 @@ import threading
 
 import torch
 
+from . import precision
 from .cache.front import AnswerCache
 from .cache.local import LocalCache
 from .cache.shared import SharedCache
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
 from .logs import LOUD
+from .memory_format import channels_last
 from .models import ServedModel, build_model, imagenet_cache_path, resolve_device
 from .preflight import Checked, is_loopback, metrics_host, preflight
 from .server import HookServer, ServerOptions, create_server
@@ -69,13 +71,17 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     """Models, engine and (unstarted) server from parsed flags (`pre`: their
     `preflight`, when already done)."""
     names, weights, device, options = check(args, pre)
+    precisions = precision.per_model(names, args.precision or [])
+    for name, p in precisions.items():
+        precision.check(p, device, args.dtype, name)
     if args.threads:
         torch.set_num_threads(args.threads)
     models = []
     for name in names:
         module, info = build_model(name, weights[name], seed=args.seed)
-        models.append(ServedModel(name, name, module, info, device, args.dtype,
-                                  args.channels_last))
+        cl = channels_last(args.memory_format, args.channels_last, name, device)
+        models.append(ServedModel(name, name, module, info, device, args.dtype, cl,
+                                  precisions[name]))
         log.info("loaded %s on %s (%s weights %s, %s)", name, device, info.source,
                  info.name, info.digest[:19])
     telemetry = None

@@ -184,7 +184,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
          help="dtype the models compute in (float16/bfloat16 are meant for GPUs)")
     _add(g, "--channels-last", default=False, is_bool=True,
-         help="run convolutions in channels_last memory format (faster on GPUs)")
+         help="the same as --memory-format channels_last")
+    _add(g, "--memory-format", default="auto", choices=["auto", "channels_last",
+                                                        "contiguous"],
+         help="layout of the models' weights and activations: channels_last (NHWC) or "
+              "contiguous (NCHW); auto: channels_last where measured faster "
+              "(docs/performance.md). Answers are returned in the same layout either way")
+    _add(g, "--precision", default=["fp32"], repeat=True, metavar="PREC",
+         help="fp32 | bf16 | fp16 for every model, or MODEL=PREC for one (repeatable): "
+              "bf16/fp16 run the Extract forward under autocast with float32 weights; "
+              "bf16 needs a CPU with bfloat16 instructions or a GPU, fp16 a GPU; the "
+              "differences from fp32 are in docs/performance.md")
     _add(g, "--threads", default=0, type=int, metavar="N",
          help="torch intra-op threads on the CPU; 0 keeps torch's default. Unless "
               "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set, they spin ~0.1 ms between "

@@ -24,6 +24,7 @@ from .capture.table import LayerInfo, LayerTables, layer_names
 from .config import ARCHITECTURES, WEIGHT_CHOICES  # noqa: F401  (models.WEIGHT_CHOICES)
 from .errors import ConfigError
 from .logs import LOUD
+from .precision import Precision
 from .spec import DType
 
 log = logging.getLogger("hookserve.models")
@@ -255,7 +256,8 @@ class ServedModel:
 
     def __init__(self, name: str, arch: str, module: nn.Module, weights: WeightsInfo,
                  device: torch.device, dtype: str = "float32",
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False,
+                 precision: Precision = Precision.FP32) -> None:
         self.name = name
         self.arch = arch
         self.weights = weights
@@ -263,6 +265,8 @@ class ServedModel:
         self.dtype = DType[dtype.upper()]
         self.torch_dtype = DTYPES[self.dtype]
         self.channels_last = channels_last
+        #: what the Extract forward pass computes in (precision.py)
+        self.precision = precision
         self.defaults = defaults_for(arch)
         module.eval().requires_grad_(False)
         module.to(device=device, dtype=self.torch_dtype)

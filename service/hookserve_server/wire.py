@@ -154,6 +154,7 @@ def model_info(m: ServedModel) -> pb.ModelInfo:
     w = m.weights
     return pb.ModelInfo(
         name=m.name, architecture=m.arch, device=str(m.device), dtype=m.dtype.value,
+        precision=m.precision.value,
         weights=pb.WeightsInfo(source=w.source, name=w.name, digest=w.digest,
                                pretrained=w.pretrained, verified=w.verified),
         preprocessing=pb.PreprocessingInfo(

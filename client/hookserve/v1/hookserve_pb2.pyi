@@ -224,20 +224,22 @@ class PreprocessingInfo(_message.Message):
     def __init__(self, resize: _Optional[int] = ..., crop_height: _Optional[int] = ..., crop_width: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., interpolation: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "weights", "device", "dtype", "preprocessing")
+    __slots__ = ("name", "architecture", "weights", "device", "dtype", "preprocessing", "precision")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREPROCESSING_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     weights: WeightsInfo
     device: str
     dtype: DType
     preprocessing: PreprocessingInfo
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., weights: _Optional[_Union[WeightsInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., preprocessing: _Optional[_Union[PreprocessingInfo, _Mapping]] = ...) -> None: ...
+    precision: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., weights: _Optional[_Union[WeightsInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., preprocessing: _Optional[_Union[PreprocessingInfo, _Mapping]] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class DescribeModelRequest(_message.Message):
     __slots__ = ("model", "input_height", "input_width")

@@ -6,8 +6,8 @@ Attribute. A key is the digest of, in order:
 
 - a format tag (a change of layout never reads an old value);
 - the image's own bytes (encoded, or raw pixels with their height and width);
-- what computes: architecture, weights digest (sha256 of the state dict), precision,
-  memory format, device type, torch version;
+- what computes: architecture, weights digest (sha256 of the state dict), dtype,
+  precision (`--precision`), memory format, device type, torch version;
 - the resolved preprocessing: the resize and crop the geometry rule gives for the
   requested mode, and the model's mean, std and interpolation;
 - the answer's own spec: the layer, reduction, dtype and L2 flag (Extract), or every
@@ -51,8 +51,8 @@ def image_digest(image: ImageInput) -> bytes:
 
 def model_part(m: ServedModel) -> tuple:
     """What computes the answer: a different entry means a different key."""
-    return (m.arch, m.weights.digest, m.dtype.name, m.channels_last, m.device.type,
-            torch.__version__)
+    return (m.arch, m.weights.digest, m.dtype.name, m.precision.value, m.channels_last,
+            m.device.type, torch.__version__)
 
 
 def preprocess_part(m: ServedModel, pre: Preprocess) -> tuple:

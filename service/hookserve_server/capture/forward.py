@@ -13,6 +13,7 @@ import torch
 
 from ..errors import InternalError
 from ..models import ServedModel
+from ..precision import autocast
 from ..spec import LayerSpec
 from .plan import CapturePlan, Kind
 from .reduce import reduce
@@ -68,6 +69,7 @@ def capture(model: ServedModel, x: torch.Tensor, plan: CapturePlan
         return module.register_forward_hook(lambda m, args, out: fire(out))
 
     with ExitStack() as stack, torch.inference_mode():
+        stack.enter_context(autocast(model.precision, x.device))
         for (path, kind), by_call in plan.hooks().items():
             stack.enter_context(register(model.modules[path], kind, make_fire(by_call)))
         try:

@@ -1,0 +1,120 @@
+"""--precision and --memory-format: bf16 autocast answers stay within the documented
+tolerance of fp32 per layer kind, channels_last answers equal contiguous ones, each
+model reports its precision in describe, start-up refuses what cannot run, and the
+answer cache keys on the precision."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hookserve_server.errors import ConfigError
+from hookserve_server.precision import Precision, cpu_has_bf16, per_model
+
+from conftest import RunningServer, encode, rand_image
+
+BASE = ["--model", "resnet18", "--model", "vgg11", "--weights", "random", "--seed", "0",
+        "--max-batch-delay-ms", "2"]
+
+#: Layer kind -> (resnet18 layer, vgg11 layer, reduction). The tolerances are the
+#: largest |bf16 - fp32| over the largest |fp32| of the layer, documented in
+#: docs/performance.md ("bf16: differences from fp32") with the measured figures.
+KINDS = {
+    "conv": ("layer1.0.conv1", "features.3", "none"),
+    "relu": ("relu", "features.4", "none"),
+    "pooled avg": ("layer4", "features.20", "avg"),
+    "fc logits": ("fc", "classifier.6", "none"),
+}
+BF16_TOL = {"conv": 1e-2, "relu": 1e-2, "pooled avg": 1e-2, "fc logits": 2e-2}
+
+needs_bf16 = pytest.mark.skipif(not cpu_has_bf16(), reason="no bfloat16 on this CPU")
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return [encode(rand_image(96, 112, seed=s)) for s in range(3)]
+
+
+def features(server: RunningServer, model: str, layers: list[str], reduction: str,
+             images: list[bytes]) -> list[dict[str, np.ndarray]]:
+    with server.client(timeout=300) as c:
+        out = list(c.extract_many(images, layers, model, reduction=reduction,
+                                  resize=96, crop=96))
+    assert all(r.error is None for r in out), [r.error for r in out]
+    return [r.features for r in out]
+
+
+def rel_diff(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got.astype(np.float64) - want).max() / np.abs(want).max())
+
+
+@needs_bf16
+def test_bf16_within_the_documented_tolerance_per_layer_kind(make_server, images):
+    fp32 = make_server(*BASE, "--memory-format", "contiguous")
+    bf16 = make_server(*BASE, "--memory-format", "contiguous", "--precision", "bf16")
+    with bf16.client() as c:
+        assert {m.name: m.precision for m in c.list_models()} == {
+            "resnet18": "bf16", "vgg11": "bf16"}
+    with fp32.client() as c:
+        assert {m.precision for m in c.list_models()} == {"fp32"}
+    seen = {}
+    for kind, (r18, vgg, reduction) in KINDS.items():
+        for model, layer in (("resnet18", r18), ("vgg11", vgg)):
+            want = features(fp32, model, [layer], reduction, images)
+            got = features(bf16, model, [layer], reduction, images)
+            d = max(rel_diff(g[layer], w[layer]) for g, w in zip(got, want, strict=True))
+            seen[(kind, model)] = d
+            assert d <= BF16_TOL[kind], (kind, model, layer, d)
+            assert d > 0, (kind, model, "bf16 answers equal fp32: autocast did not run")
+    print("bf16 max relative difference per layer kind:", seen)
+
+
+def test_channels_last_equals_contiguous_for_every_reduction_and_input(make_server,
+                                                                      images):
+    cont = make_server(*BASE, "--memory-format", "contiguous")
+    cl = make_server(*BASE, "--memory-format", "channels_last")
+    for model, layers in (("resnet18", ["conv1:input", "layer1", "layer2:input", "fc"]),
+                          ("vgg11", ["features.0:input", "features.1:input",
+                                     "features.5", "classifier.0:input"])):
+        for reduction in ("none", "avg", "max", "flatten", "stats"):
+            want = features(cont, model, layers, reduction, images[:2])
+            got = features(cl, model, layers, reduction, images[:2])
+            for g, w in zip(got, want, strict=True):
+                for name in layers:
+                    assert g[name].shape == w[name].shape
+                    assert g[name].flags["C_CONTIGUOUS"]
+                    np.testing.assert_allclose(g[name], w[name], rtol=1e-5,
+                                               atol=1e-5 * np.abs(w[name]).max())
+
+
+def test_precision_per_model_parsing():
+    names = ["resnet18", "vgg11"]
+    assert per_model(names, []) == {"resnet18": Precision.FP32, "vgg11": Precision.FP32}
+    assert per_model(names, ["bf16", "vgg11=fp32"]) == {
+        "resnet18": Precision.BF16, "vgg11": Precision.FP32}
+    with pytest.raises(ConfigError, match="'fp8' is not a precision"):
+        per_model(names, ["fp8"])
+    with pytest.raises(ConfigError, match="resnet50 is not among --model"):
+        per_model(names, ["resnet50=bf16"])
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--precision", "fp16"], "fp16 runs on CUDA devices only"),
+    (["--precision", "bf16", "--dtype", "bfloat16"], "needs --dtype float32"),
+])
+def test_start_up_refuses_what_cannot_run(flags, words):
+    with pytest.raises(ConfigError, match=words):
+        RunningServer(["--model", "resnet18", "--weights", "random", *flags], start=False)
+
+
+@needs_bf16
+def test_cache_keys_on_precision(make_server, images):
+    from hookserve_server.cache.key import model_part
+
+    s = make_server("--model", "resnet18", "--weights", "random", "--precision",
+                    "resnet18=bf16", "--cache-bytes", "8M")
+    m = s.engine.models["resnet18"]
+    assert "bf16" in model_part(m)
+    m32 = make_server("--model", "resnet18", "--weights", "random",
+                      "--cache-bytes", "8M").engine.models["resnet18"]
+    assert model_part(m32) != model_part(m)
