@@ -21,6 +21,7 @@ from .cache.front import AnswerCache
 from .cache.local import LocalCache
 from .cache.shared import SharedCache
 from .engine import Engine, EngineConfig
+from .engine.compiled import CompileSettings, parse_warm
 from .errors import ConfigError
 from .logs import LOUD
 from .memory_format import channels_last
@@ -101,6 +102,9 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
         gpu_decode=args.gpu_decode, max_attribution_cost=args.max_attribution_cost,
         attribution_pass_cost=args.attribution_pass_cost)
     engine = Engine(models, cfg, telemetry, cache=build_cache(args, telemetry))
+    engine.compile_graphs(CompileSettings(
+        args.compile, args.compile_after, args.compile_max_graphs, args.compile_max_bytes,
+        tuple(parse_warm(w) for w in args.warm or []), args.compile_backend))
     return engine, create_server(engine, options), telemetry
 
 

@@ -195,6 +195,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
               "bf16/fp16 run the Extract forward under autocast with float32 weights; "
               "bf16 needs a CPU with bfloat16 instructions or a GPU, fp16 a GPU; the "
               "differences from fp32 are in docs/performance.md")
+    _add(g, "--compile", default="off", choices=["auto", "off"],
+         help="auto: compile the pruned extraction graph of each layer set served often "
+              "(inductor, freezing) in a background thread while the eager path serves, "
+              "switching at a batch boundary; off: the eager path alone. Rules and "
+              "measurements: docs/performance.md")
+    _add(g, "--compile-after", default=2, type=int, metavar="N",
+         help="with --compile auto: compile a layer set at a batch size bucket (a power of "
+              "two) and input size once N batches asked for it")
+    _add(g, "--warm", default=[], repeat=True, metavar="SPEC",
+         help="with --compile auto: compile at start-up (in the background) "
+              "MODEL=LAYER[+LAYER...][@HxW][#BATCH], e.g. resnet50=layer4+layer3:input; "
+              "size: the model's default crop, batch: 1 (repeatable)")
+    _add(g, "--compile-max-graphs", default=8, type=int, metavar="N",
+         help="compiled graphs kept, least recently used dropped first")
+    _add(g, "--compile-max-bytes", default="2GiB", type=byte_size, metavar="SIZE",
+         help="estimated memory of the compiled graphs kept (the weights each holds)")
+    _add(g, "--compile-backend", default="inductor", choices=["inductor", "eager"],
+         help="torch.compile backend: inductor serves; eager runs the same machinery "
+              "without code generation (to check a deployment's compile path quickly)")
     _add(g, "--threads", default=0, type=int, metavar="N",
          help="torch intra-op threads on the CPU; 0 keeps torch's default. Unless "
               "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set, they spin ~0.1 ms between "

@@ -195,7 +195,7 @@ def check_ranges(args: argparse.Namespace) -> None:
                 "max_preprocess_bytes", "max_image_pixels", "max_response_bytes",
                 "max_input_side", "preprocess_workers", "max_message_bytes", "chunk_bytes",
                 "max_side_streams", "max_attribution_cost",
-                "attribution_pass_cost")
+                "attribution_pass_cost", "compile_after", "compile_max_graphs")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")

@@ -31,6 +31,7 @@ from ..telemetry import Telemetry
 from .admission import Admission
 from .attribute import gradient_bytes, resolve_attribution
 from .budget import Budget
+from .compiled import CompiledGraphs, CompileSettings
 from .limits import Limits
 from .memory import MemoryReturn
 from .prepare import ImagePlan, Preparer
@@ -79,6 +80,19 @@ class Engine:
         self._started = False
         if self.config.gpu_decode and not any(m.device.type == "cuda" for m in models):
             log.warning("--gpu-decode has no effect: no model runs on a CUDA device")
+
+    def compile_graphs(self, settings: CompileSettings) -> None:
+        """`--compile`: each device's worker serves compiled extraction graphs as they
+        become ready (engine/compiled.py); `--warm` entries are queued now."""
+        for device, w in self._workers.items():
+            w.compiled = CompiledGraphs(settings)
+            w.compiled.warm({n: m for n, m in self.models.items()
+                             if str(m.device) == device})
+
+    @property
+    def compiled(self) -> list[CompiledGraphs]:
+        """Each device's compiled graphs (their `stats`: compiles, hits, evictions)."""
+        return [w.compiled for w in self._workers.values()]
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> Engine:

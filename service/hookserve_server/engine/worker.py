@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ..capture.forward import capture, stack_inputs, to_host
+from ..capture.forward import stack_inputs, to_host
 from ..capture.plan import CapturePlan
 from ..capture.reduce import DTYPE_OF_TORCH, REDUCTIONS
 from ..errors import (
@@ -37,6 +37,7 @@ from ..errors import (
 from ..spec import LayerOutput, LayerSpec
 from ..telemetry import Telemetry
 from .attribute import AttributeJob, start_job
+from .compiled import CompiledGraphs
 from .queue import BatchQueue
 from .types import EngineConfig, WorkItem
 
@@ -72,6 +73,8 @@ class DeviceWorker:
         self._jobs: collections.deque[AttributeJob] = collections.deque()
         #: Attribute passes run and jobs started (Engine.attribution_passes, _jobs)
         self.passes = self.jobs_started = 0
+        #: compiled extraction graphs (--compile; off unless Engine.compile_graphs)
+        self.compiled = CompiledGraphs()
         self._thread = threading.Thread(target=self._loop, name=f"hookserve-{device}",
                                         daemon=True)
         self._completer = threading.Thread(target=self._complete_loop,
@@ -86,6 +89,7 @@ class DeviceWorker:
         def left():
             return None if end is None else max(0.0, end - time.monotonic())
         self.queue.close()
+        self.compiled.close()
         self._thread.join(left())
         self._done.put(None)
         self._completer.join(left())
@@ -249,7 +253,7 @@ class DeviceWorker:
         t0 = time.perf_counter()
         x = stack_inputs(model, [it.pixels for it in items], self.device)
         plan = CapturePlan.for_batch(model, (it.layers for it in items))
-        captured = capture(model, x, plan)
+        captured = self.compiled.capture(model, x, plan)
         if self._cuda:
             captured = to_host(captured)
         outputs = [[(s, captured[s][i]) for s in it.layers] for i, it in enumerate(items)]

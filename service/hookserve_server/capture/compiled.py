@@ -1,0 +1,98 @@
+"""The pruned extraction graph of a model for a set of capture points.
+
+The model is traced with torch.fx, with each captured module kept whole (a leaf), so
+its call is one node: an OUTPUT point is that node's value, an INPUT point its first
+argument; the k-th node calling a module is its k-th call, as in the layer table. The
+graph returns a copy of each captured value (taken right after it is made, so a later
+in-place ReLU or residual ``+=`` cannot change it, as the eager hooks guarantee), and
+everything after the last captured value is dead code, removed: the early stop comes
+for free. Reductions stay outside the graph (`capture/reduce.py`, on its outputs), so
+one graph serves every reduction, dtype and L2 choice of the same layers.
+
+A point set where one captured module contains another cannot keep both whole; such a
+set is not built (`build_graph` returns None) and is served by the eager hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from .plan import CapturePoint, Kind
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+
+def _nested(paths: set[str]) -> bool:
+    """Whether one module path lies inside another (the root "" contains all)."""
+    return any(a != b and (a == "" or b.startswith(a + ".")) for a in paths for b in paths)
+
+
+def build_graph(module: nn.Module, points: tuple[CapturePoint, ...]
+                ) -> fx.GraphModule | None:
+    """A GraphModule whose forward(x) returns one tensor per point, in `points` order;
+    None when the points cannot be captured this way (nested modules, a point the
+    trace does not reach)."""
+    paths = {p.module for p in points}
+    if _nested(paths):
+        return None
+    graph = _Tracer(paths).trace(module)
+    calls: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in paths:
+            calls.setdefault(node.target, []).append(node)
+    sources = []
+    for p in points:
+        nodes = calls.get(p.module, [])
+        if p.call >= len(nodes):
+            return None
+        node = nodes[p.call]
+        src = node if p.kind is Kind.OUTPUT else (node.args[0] if node.args else None)
+        if not isinstance(src, fx.Node):
+            return None
+        sources.append(src)
+    copies: dict[fx.Node, fx.Node] = {}
+    for src in sources:
+        if src not in copies:
+            with graph.inserting_after(src):
+                copies[src] = graph.call_method("clone", (src,))
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = (tuple(copies[s] for s in sources),)
+    gm = fx.GraphModule(module, graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def graph_bytes(gm: fx.GraphModule) -> int:
+    """The weights the graph holds (freezing keeps a prepared copy of each): the
+    memory estimate the compiled-graph cache is bounded by."""
+    used: set[int] = set()
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        for t in (*gm.get_submodule(node.target).parameters(),
+                  *gm.get_submodule(node.target).buffers()):
+            if id(t) not in used:
+                used.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def to_bucket(x: torch.Tensor, rows: int, channels_last: bool) -> torch.Tensor:
+    """`x` padded with zero images to `rows` (rows of a batch never mix in eval mode),
+    in the layout the graph was compiled for."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    if x.shape[0] == rows:
+        return x.contiguous(memory_format=fmt)
+    out = x.new_zeros((rows, *x.shape[1:])).contiguous(memory_format=fmt)
+    out[: x.shape[0]].copy_(x)
+    return out

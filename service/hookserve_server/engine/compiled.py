@@ -1,0 +1,293 @@
+"""`--compile auto`: compiled extraction graphs, built in the background.
+
+The device worker asks `CompiledGraphs.capture` for each Extract batch. A graph is
+keyed by (model, capture points, batch bucket, input height and width): the capture
+points are the layers and `:input`s the batch asks for (not their reductions, dtypes
+or L2, which are applied to the graph's outputs), the batch bucket is the batch size
+rounded up to a power of two (1, 2, 4, 8, ...; the batch is padded with zero images,
+and rows of a batch never mix in eval mode), the input size is exact
+(padding an image would change its features). The rules:
+
+- **Never wait.** A key with a ready graph runs it (a hit); any other key runs the
+  eager hooks (`capture/forward.py`). The worker asks at the start of each batch, so
+  a graph that finishes compiling is used from the next batch on.
+- **When to compile.** A key is queued for compiling at its `after`-th batch
+  (`--compile-after`, default 2: a layer set seen once is not worth a compile), or at
+  start-up for each `--warm` entry. The model's thread traces the graph (torch.fx,
+  a fraction of a second, over a copy of the model); one background thread compiles
+  it, one key at a time, with inductor and freezing, and runs the new graph's first
+  call itself (on one OpenMP thread, so the model's thread keeps its team).
+- **Bounds.** Compiles are bounded by the keys: at most (buckets) x (input sizes seen
+  `after` times) per layer set. Ready graphs are kept in an LRU of at most
+  `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory (the
+  weights the graph holds); the least recently used graph is dropped first.
+- **Failures.** A layer set whose graph cannot be built or compiled is served eagerly
+  from then on (every bucket and size); the failure is logged once.
+- Attribute batches never come here: they keep the autograd path.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import openmp
+from ..capture.compiled import build_graph, graph_bytes, to_bucket
+from ..capture.forward import capture
+from ..capture.plan import CapturePlan, CapturePoint, point_of
+from ..capture.reduce import reduce
+from ..errors import ConfigError
+from ..models import ServedModel
+from ..precision import autocast
+from ..spec import LayerSpec
+
+log = logging.getLogger("hookserve.compile")
+
+
+@dataclass(frozen=True)
+class Warm:
+    """A `--warm` entry: compile this layer set at start-up."""
+
+    model: str
+    layers: tuple[str, ...]
+    size: tuple[int, int] | None = None   # None: the model's default crop
+    batch: int = 1
+
+
+def parse_warm(text: str) -> Warm:
+    """`MODEL=LAYER[+LAYER...][@HxW][#BATCH]`, e.g. `resnet50=layer4+layer3:input@224x224#8`."""
+    model, sep, rest = text.partition("=")
+    rest, _, batch = rest.partition("#")
+    rest, _, size = rest.partition("@")
+    layers = tuple(x.strip() for x in rest.split("+") if x.strip())
+    try:
+        if not sep or not model.strip() or not layers:
+            raise ValueError
+        hw = None
+        if size:
+            h, _, w = size.lower().partition("x")
+            hw = (int(h), int(w or h))
+        warm = Warm(model.strip(), layers, hw, int(batch) if batch else 1)
+        if warm.batch < 1 or (hw and min(hw) < 1):
+            raise ValueError
+        return warm
+    except ValueError:
+        raise ConfigError(f"--warm {text!r}: write MODEL=LAYER[+LAYER...][@HxW][#BATCH], "
+                          "e.g. resnet50=layer4+layer3:input@224x224#8") from None
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    mode: str = "off"                  # "auto" | "off"
+    after: int = 2
+    max_graphs: int = 8
+    max_bytes: int = 2 << 30
+    warm: tuple[Warm, ...] = ()
+    #: torch.compile backend; "inductor" serves, others ("eager": dynamo alone) are for
+    #: checking the machinery without code generation
+    backend: str = "inductor"
+
+
+@dataclass
+class Stats:
+    """What /metrics and tests read: compiles done, their seconds, graph hits,
+    eager batches, evictions, failed layer sets, and the graphs' memory estimate."""
+
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    hits: int = 0
+    eager: int = 0
+    evictions: int = 0
+    failures: int = 0
+    graph_bytes: int = 0
+    pending: int = 0
+    compiled_keys: list = field(default_factory=list)
+
+
+def bucket(n: int) -> int:
+    """The batch bucket of `n` images: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class CompiledGraphs:
+    """The compiled graphs of one device's models, and the thread that compiles them."""
+
+    def __init__(self, settings: CompileSettings | None = None) -> None:
+        self.settings = settings or CompileSettings()
+        self.stats = Stats()
+        self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> (fn, bytes)
+        self._seen: collections.Counter = collections.Counter()
+        self._queued: set = set()
+        self._failed: set = set()   # (model name, points)
+        self._lock = threading.Condition()
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        #: held while a graph is traced or compiled (one at a time, never both)
+        self._busy = threading.Lock()
+        #: model name -> the copy of its module the graphs are built over
+        self._copies: dict = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.mode == "auto"
+
+    def capture(self, model: ServedModel, x: torch.Tensor, plan: CapturePlan
+                ) -> dict[LayerSpec, torch.Tensor]:
+        """`capture(model, x, plan)`'s answer: from a compiled graph when one is ready
+        for this batch's key, else by the eager hooks (and the key counted)."""
+        if not self.enabled:
+            return capture(model, x, plan)
+        points = tuple(sorted(plan.points, key=_order))
+        rows = bucket(x.shape[0])
+        key = (model.name, points, rows, tuple(x.shape[2:]))
+        with self._lock:
+            entry = self._graphs.get(key)
+            if entry is not None:
+                self._graphs.move_to_end(key)
+                self.stats.hits += 1
+            else:
+                self.stats.eager += 1
+                due = self._count(key)
+        if entry is None:
+            if due:
+                self._submit(model, key)
+            return capture(model, x, plan)
+        xb = to_bucket(x, rows, model.channels_last)
+        with torch.inference_mode(), autocast(model.precision, x.device):
+            outs = entry[0](xb)
+        n = x.shape[0]
+        captured = {}
+        for point, t in zip(points, outs, strict=True):
+            for spec in plan.points[point]:
+                captured[spec] = reduce(t[:n], spec, may_alias=False)
+        return captured
+
+    def warm(self, models: dict[str, ServedModel]) -> None:
+        """Queue the `--warm` entries (start-up; the worker serves meanwhile)."""
+        for w in self.settings.warm if self.enabled else ():
+            m = models.get(w.model)
+            unknown = [n for n in w.layers if m is not None and n not in m.layer_index]
+            if m is None or unknown:
+                what = f"model {w.model}" if m is None else f"layer {unknown[0]}"
+                raise ConfigError(f"--warm {w.model}={'+'.join(w.layers)}: no {what} here "
+                                  "(see ListModels and DescribeModel)")
+            points = tuple(sorted({point_of(m, LayerSpec(name)) for name in w.layers},
+                                  key=_order))
+            size = w.size or m.defaults.crop
+            self._submit(m, (m.name, points, bucket(w.batch), tuple(size)), wait=True)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until nothing is queued or compiling (tests, benches); False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._queued, timeout)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._todo.put(None)
+
+    def _count(self, key) -> bool:
+        """(Under the lock) count a batch of `key`: True when it is due a compile."""
+        if (key[0], key[1]) in self._failed or key in self._queued:
+            return False
+        self._seen[key] += 1
+        return self._seen[key] >= self.settings.after
+
+    def _submit(self, model: ServedModel, key, wait: bool = False) -> None:
+        """Trace `key`'s graph here and queue its compile. torch.fx patches every
+        module's call while it traces, which a compile running at the same time would
+        see, so tracing waits for no compile: while one runs, the key stays due and is
+        traced at a later batch (`wait`: at start-up, wait for it). The graph is
+        built over a copy of the model, so the eager path's hooks on the served
+        module never meet the compile thread."""
+        if not self._busy.acquire(blocking=wait):
+            return
+        try:
+            if model.name not in self._copies:
+                self._copies[model.name] = copy.deepcopy(model.module)
+            gm = build_graph(self._copies[model.name], key[1])
+        except Exception as exc:
+            gm = exc
+        finally:
+            self._busy.release()
+        with self._lock:
+            if key in self._queued or key in self._graphs:
+                return
+            self._queued.add(key)
+            self.stats.pending = len(self._queued)
+        self._todo.put((model, key, gm))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._compile_loop, daemon=True,
+                                            name="hookserve-compile")
+            self._thread.start()
+
+    # -- the compile thread ------------------------------------------------------------
+    def _compile_loop(self) -> None:
+        openmp.one_thread_here()
+        while (job := self._todo.get()) is not None:
+            model, key, gm = job
+            t0 = time.perf_counter()
+            try:
+                with self._busy:
+                    fn, nbytes = self._compile(model, key, gm)
+            except Exception as exc:  # the layer set is served eagerly from now on
+                fn, nbytes = None, 0
+                log.warning("compiling %s %s failed; serving it eagerly: %s: %s", key[0],
+                            [_name(p) for p in key[1]], type(exc).__name__,
+                            " ".join(str(exc).split())[:300])
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                self._queued.discard(key)
+                self.stats.pending = len(self._queued)
+                if fn is None:
+                    self._failed.add((key[0], key[1]))
+                    self.stats.failures += 1
+                else:
+                    self.stats.compiles += 1
+                    self.stats.compile_seconds += seconds
+                    self.stats.compiled_keys.append(key)
+                    self._graphs[key] = (fn, nbytes)
+                    self._evict()
+                    log.info("compiled %s %s at batch %d, %dx%d in %.1f s", key[0],
+                             [_name(p) for p in key[1]], key[2], *key[3], seconds)
+                self._lock.notify_all()
+            job = model = fn = gm = None
+
+    def _compile(self, model: ServedModel, key, gm):
+        _, points, rows, (h, w) = key
+        if isinstance(gm, Exception):
+            raise gm
+        if gm is None:
+            raise ValueError("one captured module contains another")
+        s = self.settings
+        options = {"freezing": True} if s.backend == "inductor" else None
+        fn = torch.compile(gm, backend=s.backend, dynamic=False, options=options)
+        x = torch.zeros((rows, 3, h, w), dtype=model.torch_dtype, device=model.device)
+        with torch.inference_mode(), autocast(model.precision, model.device):
+            fn(to_bucket(x, rows, model.channels_last))   # compiles here
+        return fn, graph_bytes(gm)
+
+    def _evict(self) -> None:
+        s = self.settings
+        self.stats.graph_bytes = sum(b for _, b in self._graphs.values())
+        while len(self._graphs) > 1 and (len(self._graphs) > s.max_graphs
+                                         or self.stats.graph_bytes > s.max_bytes):
+            old, _ = self._graphs.popitem(last=False)
+            self._seen.pop(old, None)
+            self.stats.evictions += 1
+            self.stats.graph_bytes = sum(b for _, b in self._graphs.values())
+
+
+def _order(p: CapturePoint) -> tuple:
+    return (p.module, p.call, p.kind.value)
+
+
+def _name(p: CapturePoint) -> str:
+    return p.module + (f"#{p.call}" if p.call else "") + (":input" if p.kind.value == "input"
+                                                          else "")

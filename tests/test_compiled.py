@@ -1,0 +1,217 @@
+"""--compile auto: compiled extraction graphs answer like the eager hooks, never make a
+request wait, stay within their bounds and fall back to eager when compiling fails.
+
+The default suite compiles with torch.compile's "eager" backend or a custom backend
+(dynamo traces the pruned graph, no code generation: seconds); the inductor tests are
+marked slow (each compile takes minutes on a shared 2-core machine)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hookserve_server.capture.forward import capture
+from hookserve_server.capture.plan import CapturePlan
+from hookserve_server.engine.compiled import CompileSettings, bucket, parse_warm
+from hookserve_server.errors import ConfigError
+from hookserve_server.spec import LayerSpec
+
+from conftest import encode, rand_image
+
+BASE = ["--model", "resnet18", "--model", "vgg11", "--weights", "random", "--seed", "0",
+        "--max-batch-delay-ms", "2"]
+LAYERS = {"resnet18": ["conv1:input", "relu", "layer1.0.conv2", "layer1.0.relu_1",
+                       "layer2:input", "layer3", "fc"],
+          "vgg11": ["features.0:input", "features.1:input", "features.1", "features.5",
+                    "classifier.0:input", "classifier.6"]}
+REDUCTIONS = ("none", "avg", "max", "flatten", "stats")
+#: float32 answers agree within 1e-5; a float16 or bfloat16 answer is the float32 one
+#: rounded, so a difference of 1e-7 may round to the neighbouring value: one unit in
+#: the last place (relative to the layer's largest value) is allowed there.
+ULP = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+def extract(server, model, layers, images, **kw) -> list[dict[str, np.ndarray]]:
+    with server.client(timeout=600) as c:
+        out = list(c.extract_many(images, layers, model, **kw))
+    assert all(r.error is None for r in out), [r.error for r in out]
+    return [r.features for r in out]
+
+
+def assert_same(got, want, tol=1e-5):
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for k in w:
+            assert g[k].shape == w[k].shape and g[k].dtype == w[k].dtype, k
+            a, b = g[k].astype(np.float64), w[k].astype(np.float64)
+            scale = max(float(np.abs(b).max()), 1e-12)
+            assert float(np.abs(a - b).max()) <= tol * scale, (k, np.abs(a - b).max(), scale)
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return [encode(rand_image(64, 64, seed=s)) for s in range(2)]
+
+
+def stats(server):
+    (graphs,) = server.engine.compiled
+    return graphs.stats
+
+
+def settle(server, timeout=600.0):
+    (graphs,) = server.engine.compiled
+    assert graphs.wait_idle(timeout), "compiling did not finish"
+
+
+def run_modes(eager, compiled, images, dtypes=("float32",), modes=None):
+    """Every reduction (and dtype, preprocessing mode) of every model's layer set, on
+    `compiled` after its graphs were compiled, compared with `eager`."""
+    modes = modes or [{"native": True}]
+    for model, layers in LAYERS.items():
+        for pre in modes:
+            extract(compiled, model, layers, images, **pre)   # counted: compile queued
+            settle(compiled)
+            hits = stats(compiled).hits
+            for reduction in REDUCTIONS:
+                for dtype in dtypes:
+                    kw = {**pre, "reduction": reduction, "dtype": dtype}
+                    assert_same(extract(compiled, model, layers, images, **kw),
+                                extract(eager, model, layers, images, **kw),
+                                ULP.get(dtype, 1e-5))
+            assert stats(compiled).hits > hits, "the compiled graph was not used"
+
+
+def test_compiled_graph_answers_equal_eager(make_server, images):
+    """The pruned graph (dynamo, eager backend): the same answers for every reduction,
+    `:input` (in-place ReLU inputs too) and dtype, resnet18 and vgg11."""
+    eager = make_server(*BASE)
+    compiled = make_server(*BASE, "--compile", "auto", "--compile-after", "1",
+                           "--compile-backend", "eager", "--max-batch-size", "2")
+    run_modes(eager, compiled, images, dtypes=("float32", "float16", "bfloat16"))
+    assert stats(compiled).failures == 0
+
+
+@pytest.mark.slow
+def test_inductor_answers_equal_eager(make_server, images):
+    """Inductor with freezing: within 1e-5 of eager for every reduction, `:input`, dtype
+    and preprocessing mode (native, resize+crop; default is 224 px: the same code at
+    another size), resnet18 and vgg11."""
+    eager = make_server(*BASE)
+    compiled = make_server(*BASE, "--compile", "auto", "--compile-after", "1",
+                           "--max-batch-size", "2")
+    run_modes(eager, compiled, images, dtypes=("float32", "bfloat16"),
+              modes=[{"native": True}, {"resize": 72, "crop": 64}])
+    s = stats(compiled)
+    assert s.failures == 0 and s.compiles >= 2 and s.compile_seconds > 0
+
+
+def test_a_request_during_a_compile_is_answered_by_eager(make_server, images):
+    entered, release = threading.Event(), threading.Event()
+
+    def gated(gm, example_inputs):   # a torch.compile backend that holds the compile
+        entered.set()
+        release.wait(600)
+        return gm.forward
+
+    eager = make_server(*BASE)
+    s = make_server(*BASE)
+    s.engine.compile_graphs(CompileSettings("auto", after=1, backend=gated))
+    layers = LAYERS["resnet18"]
+    want = extract(eager, "resnet18", layers, images[:1])
+    assert_same(extract(s, "resnet18", layers, images[:1]), want)  # queues the compile
+    assert entered.wait(600)
+    try:
+        before = stats(s).eager
+        for _ in range(3):   # answered while the compile is still held
+            assert_same(extract(s, "resnet18", layers, images[:1]), want)
+        assert stats(s).eager == before + 3 and stats(s).hits == 0
+        assert stats(s).compiles == 0 and stats(s).pending == 1
+    finally:
+        release.set()
+    settle(s)
+    assert_same(extract(s, "resnet18", layers, images[:1]), want)
+    assert stats(s).compiles == 1 and stats(s).hits == 1
+
+
+def test_a_failed_compile_falls_back_to_eager_logged_once(make_server, images, caplog):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generation here")
+
+    eager = make_server(*BASE)
+    s = make_server(*BASE)
+    s.engine.compile_graphs(CompileSettings("auto", after=1, backend=broken))
+    layers = LAYERS["vgg11"]
+    want = extract(eager, "vgg11", layers, images)
+    with caplog.at_level(logging.WARNING, logger="hookserve.compile"):
+        for _ in range(3):
+            assert_same(extract(s, "vgg11", layers, images), want)
+            settle(s)
+    assert stats(s).failures == 1 and stats(s).compiles == 0 and stats(s).hits == 0
+    assert len([r for r in caplog.records if "serving it eagerly" in r.message]) == 1
+
+
+def graphs_of(make_server, **settings):
+    s = make_server("--model", "resnet18", "--weights", "random")
+    s.engine.compile_graphs(CompileSettings("auto", after=1, backend="eager", **settings))
+    (graphs,) = s.engine.compiled
+    m = s.engine.models["resnet18"]
+    plan = CapturePlan.for_batch(m, [(LayerSpec("layer1:input"), LayerSpec("relu"))])
+
+    def run(n: int, h: int, w: int) -> None:
+        x = torch.randn(n, 3, h, w).contiguous(memory_format=torch.channels_last)
+        want = capture(m, x, plan)
+        got = graphs.capture(m, x, plan)
+        for spec, t in want.items():
+            torch.testing.assert_close(got[spec], t, rtol=1e-5, atol=1e-5)
+        assert graphs.wait_idle(600)
+    return graphs, run
+
+
+def test_bucketing_bounds_compiles(make_server):
+    graphs, run = graphs_of(make_server)
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 3, 5, 1, 8):
+        for h, w in [(32, 32), (40, 48)]:
+            run(n, h, w)
+    keys = graphs.stats.compiled_keys
+    # 8 batch sizes x 2 input sizes: 4 buckets x 2 sizes, each compiled once
+    assert {k[2] for k in keys} == {1, 2, 4, 8}
+    assert graphs.stats.compiles == 8 == len(set(keys))
+    assert graphs.stats.hits == 24 - 8 and graphs.stats.evictions == 0
+
+
+def test_the_cache_bound_holds(make_server):
+    graphs, run = graphs_of(make_server, max_graphs=2)
+    for h in (32, 40, 48, 32):
+        run(1, h, h)
+    assert graphs.stats.compiles == 4 and graphs.stats.evictions == 2
+    assert len(graphs._graphs) == 2
+    graphs, run = graphs_of(make_server, max_bytes=1)   # one graph is always kept
+    for h in (32, 40):
+        run(2, h, h)
+    assert graphs.stats.evictions == 1 and len(graphs._graphs) == 1
+    assert 0 < graphs.stats.graph_bytes < 1 << 20
+
+
+def test_bucket_and_warm_parsing(make_server):
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 32)] == [1, 2, 4, 4, 8, 8, 16, 32]
+    w = parse_warm("resnet18=layer4+layer3:input@96x128#8")
+    assert (w.model, w.layers, w.size, w.batch) == ("resnet18", ("layer4", "layer3:input"),
+                                                    (96, 128), 8)
+    with pytest.raises(ConfigError, match="MODEL=LAYER"):
+        parse_warm("resnet18")
+    with pytest.raises(ConfigError, match="no layer layer9"):
+        make_server("--model", "resnet18", "--weights", "random", "--compile", "auto",
+                    "--warm", "resnet18=layer9")
+
+
+def test_warm_compiles_at_start_up(make_server, images):
+    s = make_server("--model", "resnet18", "--weights", "random", "--compile", "auto",
+                    "--compile-backend", "eager", "--warm", "resnet18=layer2+relu@64x64")
+    settle(s)
+    assert stats(s).compiles == 1
+    extract(s, "resnet18", ["relu", "layer2"], images[:1], native=True)
+    assert stats(s).hits == 1
