@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import urllib.request
 
 import numpy as np
 import pytest
@@ -89,8 +90,10 @@ def test_compiled_graph_answers_equal_eager(make_server, images):
     """The pruned graph (dynamo, eager backend): the same answers for every reduction,
     `:input` (in-place ReLU inputs too) and dtype, resnet18 and vgg11."""
     eager = make_server(*BASE)
+    # one image a batch: every batch has the key (bucket 1) that was compiled; padding
+    # to a bucket is checked in test_bucketing_bounds_compiles
     compiled = make_server(*BASE, "--compile", "auto", "--compile-after", "1",
-                           "--compile-backend", "eager", "--max-batch-size", "2")
+                           "--compile-backend", "eager", "--max-batch-size", "1")
     run_modes(eager, compiled, images, dtypes=("float32", "float16", "bfloat16"))
     assert stats(compiled).failures == 0
 
@@ -102,7 +105,7 @@ def test_inductor_answers_equal_eager(make_server, images):
     another size), resnet18 and vgg11."""
     eager = make_server(*BASE)
     compiled = make_server(*BASE, "--compile", "auto", "--compile-after", "1",
-                           "--max-batch-size", "2")
+                           "--max-batch-size", "1")
     run_modes(eager, compiled, images, dtypes=("float32", "bfloat16"),
               modes=[{"native": True}, {"resize": 72, "crop": 64}])
     s = stats(compiled)
@@ -208,10 +211,18 @@ def test_bucket_and_warm_parsing(make_server):
                     "--warm", "resnet18=layer9")
 
 
-def test_warm_compiles_at_start_up(make_server, images):
+def test_warm_compiles_at_start_up_and_metrics_count(make_server, images):
     s = make_server("--model", "resnet18", "--weights", "random", "--compile", "auto",
-                    "--compile-backend", "eager", "--warm", "resnet18=layer2+relu@64x64")
+                    "--compile-backend", "eager", "--warm", "resnet18=layer2+relu@64x64",
+                    "--metrics-port", "0")
     settle(s)
     assert stats(s).compiles == 1
     extract(s, "resnet18", ["relu", "layer2"], images[:1], native=True)
     assert stats(s).hits == 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics") as r:
+        text = r.read().decode()
+    for line in ('hookserve_compile_events_total{event="compile"} 1.0',
+                 'hookserve_compile_events_total{event="hit"} 1.0'):
+        assert line in text
+    assert "hookserve_compile_seconds_total " in text
+    assert "hookserve_compiled_graph_bytes " in text

@@ -53,6 +53,14 @@ class PrometheusTelemetry(Telemetry):
             ["tier", "event"], registry=r)
         self.cache_size = Gauge("hookserve_cache_bytes", "Bytes the local answer cache holds",
                                 ["tier"], registry=r)
+        self.compile_events = Counter(
+            "hookserve_compile_events_total",
+            "Compiled extraction graphs by event (compile, hit: a batch ran a compiled "
+            "graph, eager: it did not, eviction, failure)", ["event"], registry=r)
+        self.compile_s = Counter("hookserve_compile_seconds_total",
+                                 "Seconds spent compiling extraction graphs", registry=r)
+        self.compiled_bytes = Gauge("hookserve_compiled_graph_bytes",
+                                    "Memory estimate of the compiled graphs kept", registry=r)
         mem = Gauge("hookserve_device_memory_bytes", "Device memory allocated by tensors",
                     ["device"], registry=r)
         if torch.cuda.is_available():
@@ -87,6 +95,13 @@ class PrometheusTelemetry(Telemetry):
 
     def cache_bytes(self, tier, nbytes):
         self.cache_size.labels(tier).set(nbytes)
+
+    def compile_event(self, event, n=1):
+        self.compile_events.labels(event).inc(n)
+
+    def compile_state(self, seconds, nbytes):
+        self.compile_s.inc(seconds)
+        self.compiled_bytes.set(nbytes)
 
     def call_done(self, method, model, code, attribution_method=""):
         self.requests.labels(method, model, code, attribution_method).inc()

@@ -17,6 +17,11 @@ class Telemetry:
         """Answer-cache units by tier (local, shared) and event (hit, miss, coalesced,
         eviction, error, store)."""
     def cache_bytes(self, tier: str, nbytes: int) -> None: ...
+    def compile_event(self, event: str, n: int = 1) -> None:
+        """Compiled extraction graphs (engine/compiled.py) by event: compile, hit (a
+        batch ran a compiled graph), eager (it did not), eviction, failure."""
+    def compile_state(self, seconds: float, nbytes: int) -> None:
+        """Seconds one compile took; the memory estimate of the graphs kept."""
     def call_done(self, method: str, model: str, code: str,
                   attribution_method: str = "") -> None:
         """One finished call: `method` is the RPC (Extract, Attribute, ...);

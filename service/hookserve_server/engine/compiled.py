@@ -47,6 +47,7 @@ from ..errors import ConfigError
 from ..models import ServedModel
 from ..precision import autocast
 from ..spec import LayerSpec
+from ..telemetry import Telemetry
 
 log = logging.getLogger("hookserve.compile")
 
@@ -119,8 +120,10 @@ def bucket(n: int) -> int:
 class CompiledGraphs:
     """The compiled graphs of one device's models, and the thread that compiles them."""
 
-    def __init__(self, settings: CompileSettings | None = None) -> None:
+    def __init__(self, settings: CompileSettings | None = None,
+                 telemetry: Telemetry | None = None) -> None:
         self.settings = settings or CompileSettings()
+        self.telemetry = telemetry or Telemetry()
         self.stats = Stats()
         self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> (fn, bytes)
         self._seen: collections.Counter = collections.Counter()
@@ -155,6 +158,7 @@ class CompiledGraphs:
             else:
                 self.stats.eager += 1
                 due = self._count(key)
+        self.telemetry.compile_event("eager" if entry is None else "hit")
         if entry is None:
             if due:
                 self._submit(model, key)
@@ -248,12 +252,15 @@ class CompiledGraphs:
                 if fn is None:
                     self._failed.add((key[0], key[1]))
                     self.stats.failures += 1
+                    self.telemetry.compile_event("failure")
                 else:
                     self.stats.compiles += 1
                     self.stats.compile_seconds += seconds
                     self.stats.compiled_keys.append(key)
                     self._graphs[key] = (fn, nbytes)
                     self._evict()
+                    self.telemetry.compile_event("compile")
+                    self.telemetry.compile_state(seconds, self.stats.graph_bytes)
                     log.info("compiled %s %s at batch %d, %dx%d in %.1f s", key[0],
                              [_name(p) for p in key[1]], key[2], *key[3], seconds)
                 self._lock.notify_all()
@@ -281,6 +288,7 @@ class CompiledGraphs:
             old, _ = self._graphs.popitem(last=False)
             self._seen.pop(old, None)
             self.stats.evictions += 1
+            self.telemetry.compile_event("eviction")
             self.stats.graph_bytes = sum(b for _, b in self._graphs.values())
 
 

@@ -85,7 +85,7 @@ class Engine:
         """`--compile`: each device's worker serves compiled extraction graphs as they
         become ready (engine/compiled.py); `--warm` entries are queued now."""
         for device, w in self._workers.items():
-            w.compiled = CompiledGraphs(settings)
+            w.compiled = CompiledGraphs(settings, self.telemetry)
             w.compiled.warm({n: m for n, m in self.models.items()
                              if str(m.device) == device})
 
