@@ -99,6 +99,16 @@ class Proc:
                 self._port.put(int(m.group(1)))
         self._port.put(None)
 
+    def wait_lines(self, words: tuple[str, ...], n: int, timeout: float = 3600) -> int:
+        """Until `n` output lines hold one of `words` (or the process ended)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.p.poll() is None:
+            seen = sum(any(w in line for w in words) for line in self.lines)
+            if seen >= n:
+                return seen
+            time.sleep(0.5)   # polling a log, not synchronising threads
+        return sum(any(w in line for w in words) for line in self.lines)
+
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL it after 30 s."""
         def signal_group(sig: int) -> None:

@@ -14,6 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from hookserve_server.capture.forward import capture
 from hookserve_server.capture.plan import CapturePlan
@@ -229,8 +230,12 @@ def test_warm_compiles_at_start_up_and_metrics_count(make_server, images):
                     "--metrics-port", "0")
     settle(s)
     assert stats(s).compiles == 1
+    graphs = dict(counters["stats"])
     extract(s, "resnet18", ["relu", "layer2"], images[:1], native=True)
     assert stats(s).hits == 1
+    # the graph compiled on the compile thread runs as is on the model's thread: no
+    # guard (the OpenMP thread count is one) makes dynamo compile it again there
+    assert dict(counters["stats"]) == graphs
     with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics") as r:
         text = r.read().decode()
     for line in ('hookserve_compile_events_total{event="compile"} 1.0',

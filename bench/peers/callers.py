@@ -29,8 +29,9 @@ class HookserveCaller:
 
     name = "hookserve"
 
-    def __init__(self, address: str, model: str, layer: str, reduce: str) -> None:
-        self.address, self.model, self.layer = address, model, layer
+    def __init__(self, address: str, model: str, layer: str, reduce: str,
+                 name: str = "hookserve") -> None:
+        self.address, self.model, self.layer, self.name = address, model, layer, name
         self.layers = {layer: {"reduction": reduce}} if reduce != "none" else [layer]
 
     def connect(self):

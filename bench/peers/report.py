@@ -30,7 +30,7 @@ def brief(acc: dict) -> str:
 
 def table(R: dict, a: argparse.Namespace) -> str:
     names = list(R["latency"])
-    hs = "hookserve"
+    hs = next((n for n in names if n.startswith("hookserve")), "hookserve")
     w = 14
     lines = [f"{'':<34}" + "".join(f"{n:>{w}}" for n in names)]
 
@@ -59,6 +59,16 @@ def table(R: dict, a: argparse.Namespace) -> str:
         row("  img/s, 8 clients", {n: R["tput8"][hs] / v for n, v in R["tput8"].items()},
             ".2f")
         row("  MB/s big map", {n: big["mb_s"][hs] / v for n, v in big["mb_s"].items()},
+            ".2f")
+    if "litserve" in R["tput8"] and len(names) > 3:
+        ls = "litserve"
+        lines.append("")
+        lines.append("ratios, column / litserve:")
+        row("  p50 latency (lower is better)",
+            {n: v["p50_ms"] / lat[ls]["p50_ms"] for n, v in lat.items()}, ".2f")
+        row("  img/s, 1 client", {n: v / R["tput1"][ls] for n, v in R["tput1"].items()},
+            ".2f")
+        row("  img/s, 8 clients", {n: v / R["tput8"][ls] for n, v in R["tput8"].items()},
             ".2f")
     lines.append("")
     for k, v in R["check"].items():

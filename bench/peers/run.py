@@ -51,6 +51,16 @@ from common import (  # noqa: E402  (bench/ helpers; sets OMP_WAIT_POLICY first)
 from hooked import Hooked  # noqa: E402
 
 WORK = {"pooled": ("resnet50", "layer4", "avg"), "big": ("vgg16", "features.0", "none")}
+#: --modes: hookserve execution modes, each its own server (docs/performance.md)
+MODES = {
+    "default": [],
+    "eager": ["--memory-format", "contiguous"],
+    "cl": ["--memory-format", "channels_last"],
+    "compiled": ["--memory-format", "channels_last", "--compile", "auto",
+                 "--compile-after", "2", *(x for b in (1, 2, 4, 8)
+                                           for x in ("--warm", f"resnet50=layer4#{b}"))],
+    "bf16": ["--precision", "bf16", "--memory-format", "channels_last"],
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,6 +80,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default="hookserve,litserve,kserve",
                     help="servers beside the floor, comma-separated")
+    ap.add_argument("--modes", default="default",
+                    help="hookserve execution modes, one server each, comma-separated: "
+                         f"{', '.join(MODES)} (columns hookserve-MODE; default: one "
+                         "server with the default flags, column hookserve)")
     ap.add_argument("--hookserve-arg", action="append", default=[],
                     help="extra `hookserve serve` flag (repeat), e.g. --hookserve-arg=--x")
     ap.add_argument("--kserve-python", default=str(PEERS.parents[1] / ".venv-kserve/bin/python"),
@@ -87,12 +101,21 @@ def start(a: argparse.Namespace, which: set[str], say) -> tuple[dict, dict]:
         spec += ["--model", arch, "--layer", layer, "--reduce", reduce]
     procs: dict[str, Proc] = {}
     use: dict[str, list] = {k: [] for k in WORK}
-    if "hookserve" in which:
-        say("starting hookserve")
-        procs["hookserve"] = p = Proc("hookserve", hookserve_argv(
-            [w[0] for w in WORK.values()], a, *a.hookserve_arg), HOOKSERVE_PORT_RE)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for mode in modes if "hookserve" in which else ():
+        name = "hookserve" if modes == ["default"] else f"hookserve-{mode}"
+        say(f"starting {name}")
+        procs[name] = p = Proc(name, hookserve_argv(
+            [w[0] for w in WORK.values()], a, *MODES[mode], *a.hookserve_arg),
+            HOOKSERVE_PORT_RE)
         for k, (arch, layer, reduce) in WORK.items():
-            use[k].append(callers.HookserveCaller(p.address, arch, layer, reduce))
+            use[k].append(callers.HookserveCaller(p.address, arch, layer, reduce, name))
+        warm = MODES[mode].count("--warm")
+        if warm:
+            say(f"  {name}: waiting for its {warm} start-up compiles (it serves meanwhile)")
+            t0 = time.perf_counter()
+            p.wait_lines(("compiled resnet50", "serving it eagerly"), warm)
+            a.compile_seconds = time.perf_counter() - t0
     if "litserve" in which:
         say("starting LitServe")
         procs["litserve"] = p = Proc("litserve", [
@@ -234,6 +257,7 @@ def main() -> int:
         for p in procs.values():
             p.stop()
     res["seconds"] = time.perf_counter() - say.t0
+    res["compile_wait_s"] = getattr(a, "compile_seconds", None)
     print()
     print(report.table(R, a))
     print("\nCPU ms per image at 8 clients (server process tree; bench process, i.e. the "

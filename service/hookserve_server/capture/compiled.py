@@ -89,10 +89,14 @@ def graph_bytes(gm: fx.GraphModule) -> int:
 
 def to_bucket(x: torch.Tensor, rows: int, channels_last: bool) -> torch.Tensor:
     """`x` padded with zero images to `rows` (rows of a batch never mix in eval mode),
-    in the layout the graph was compiled for."""
+    always a new tensor in the layout the graph was compiled for, made under the
+    caller's inference mode: torch.compile guards on layout and on whether a tensor
+    is an inference tensor, so the compile's input and every batch's must agree."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    if x.shape[0] == rows:
-        return x.contiguous(memory_format=fmt)
-    out = x.new_zeros((rows, *x.shape[1:])).contiguous(memory_format=fmt)
-    out[: x.shape[0]].copy_(x)
+    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device,
+                      memory_format=fmt)
+    n = x.shape[0]
+    out[:n].copy_(x)
+    if rows > n:
+        out[n:].zero_()
     return out

@@ -16,7 +16,8 @@ and rows of a batch never mix in eval mode), the input size is exact
   start-up for each `--warm` entry. The model's thread traces the graph (torch.fx,
   a fraction of a second, over a copy of the model); one background thread compiles
   it, one key at a time, with inductor and freezing, and runs the new graph's first
-  call itself (on one OpenMP thread, so the model's thread keeps its team).
+  call itself, with the model thread's OpenMP thread count (torch.compile guards on
+  it: a graph compiled under another count would recompile on its first batch).
 - **Bounds.** Compiles are bounded by the keys: at most (buckets) x (input sizes seen
   `after` times) per layer set. Ready graphs are kept in an LRU of at most
   `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory (the
@@ -38,7 +39,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import openmp
 from ..capture.compiled import build_graph, graph_bytes, to_bucket
 from ..capture.forward import capture
 from ..capture.plan import CapturePlan, CapturePoint, point_of
@@ -163,9 +163,8 @@ class CompiledGraphs:
             if due:
                 self._submit(model, key)
             return capture(model, x, plan)
-        xb = to_bucket(x, rows, model.channels_last)
         with torch.inference_mode(), autocast(model.precision, x.device):
-            outs = entry[0](xb)
+            outs = entry[0](to_bucket(x, rows, model.channels_last))
         n = x.shape[0]
         captured = {}
         for point, t in zip(points, outs, strict=True):
@@ -233,7 +232,16 @@ class CompiledGraphs:
 
     # -- the compile thread ------------------------------------------------------------
     def _compile_loop(self) -> None:
-        openmp.one_thread_here()
+        # This thread keeps the OpenMP thread count the model's thread has (the
+        # process default): torch.compile's guards include it, and a graph compiled
+        # under another count would be compiled again by its first batch, on the
+        # model's thread. The price: the compile's one warm-up pass runs a second
+        # OpenMP team beside the model's.
+        if self.settings.backend == "inductor":
+            import torch._inductor.config as inductor
+
+            # one compiler process beside the serving threads, not one per core
+            inductor.compile_threads = 1
         while (job := self._todo.get()) is not None:
             model, key, gm = job
             t0 = time.perf_counter()
