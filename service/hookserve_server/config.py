@@ -203,10 +203,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--compile-after", default=2, type=int, metavar="N",
          help="with --compile auto: compile a layer set at a batch size bucket (a power of "
               "two) and input size once N batches asked for it")
-    _add(g, "--warm", default=[], repeat=True, metavar="SPEC",
+    _add(g, "--warm", repeat=True, metavar="SPEC",
          help="with --compile auto: compile at start-up (in the background) "
               "MODEL=LAYER[+LAYER...][@HxW][#BATCH], e.g. resnet50=layer4+layer3:input; "
-              "size: the model's default crop, batch: 1 (repeatable)")
+              "size: the model's default crop, batch: 1 (repeatable); unset: none")
     _add(g, "--compile-max-graphs", default=8, type=int, metavar="N",
          help="compiled graphs kept, least recently used dropped first")
     _add(g, "--compile-max-bytes", default="2GiB", type=byte_size, metavar="SIZE",

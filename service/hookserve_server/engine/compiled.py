@@ -174,6 +174,7 @@ class CompiledGraphs:
 
     def warm(self, models: dict[str, ServedModel]) -> None:
         """Queue the `--warm` entries (start-up; the worker serves meanwhile)."""
+        jobs = []
         for w in self.settings.warm if self.enabled else ():
             m = models.get(w.model)
             unknown = [n for n in w.layers if m is not None and n not in m.layer_index]
@@ -184,7 +185,11 @@ class CompiledGraphs:
             points = tuple(sorted({point_of(m, LayerSpec(name)) for name in w.layers},
                                   key=_order))
             size = w.size or m.defaults.crop
-            self._submit(m, (m.name, points, bucket(w.batch), tuple(size)), wait=True)
+            jobs.append((m, (m.name, points, bucket(w.batch), tuple(size))))
+        with self._busy:   # every entry traced before the first compile starts
+            traced = [(m, key, self._trace(m, key)) for m, key in jobs]
+        for job in traced:
+            self._enqueue(*job)
 
     def wait_idle(self, timeout: float) -> bool:
         """Until nothing is queued or compiling (tests, benches); False on timeout."""
@@ -202,33 +207,41 @@ class CompiledGraphs:
         self._seen[key] += 1
         return self._seen[key] >= self.settings.after
 
-    def _submit(self, model: ServedModel, key, wait: bool = False) -> None:
+    def _submit(self, model: ServedModel, key) -> None:
         """Trace `key`'s graph here and queue its compile. torch.fx patches every
         module's call while it traces, which a compile running at the same time would
         see, so tracing waits for no compile: while one runs, the key stays due and is
-        traced at a later batch (`wait`: at start-up, wait for it). The graph is
-        built over a copy of the model, so the eager path's hooks on the served
-        module never meet the compile thread."""
-        if not self._busy.acquire(blocking=wait):
+        traced at a later batch."""
+        if not self._busy.acquire(blocking=False):
             return
+        try:
+            gm = self._trace(model, key)
+        finally:
+            self._busy.release()
+        self._enqueue(model, key, gm)
+
+    def _trace(self, model: ServedModel, key):
+        """(Holding `_busy`) the graph of `key`, None, or the exception building it
+        raised. The graph is built over a copy of the model, so the eager path's hooks
+        on the served module never meet the compile thread."""
         try:
             if model.name not in self._copies:
                 self._copies[model.name] = copy.deepcopy(model.module)
-            gm = build_graph(self._copies[model.name], key[1])
+            return build_graph(self._copies[model.name], key[1])
         except Exception as exc:
-            gm = exc
-        finally:
-            self._busy.release()
+            return exc
+
+    def _enqueue(self, model: ServedModel, key, gm) -> None:
         with self._lock:
             if key in self._queued or key in self._graphs:
                 return
             self._queued.add(key)
             self.stats.pending = len(self._queued)
-        self._todo.put((model, key, gm))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._compile_loop, daemon=True,
-                                            name="hookserve-compile")
-            self._thread.start()
+            self._todo.put((model, key, gm))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._compile_loop, daemon=True,
+                                                name="hookserve-compile")
+                self._thread.start()
 
     # -- the compile thread ------------------------------------------------------------
     def _compile_loop(self) -> None:
