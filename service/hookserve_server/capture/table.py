@@ -16,8 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-import torchvision
 
+from ..architectures import build
 from ..errors import InvalidArgument
 from ..spec import DType
 from .reduce import DTYPE_OF_TORCH
@@ -78,11 +78,12 @@ def call_index(name: str, module: str) -> int:
 class LayerTables:
     """Layer tables of one architecture, built on a meta-device copy of it."""
 
-    def __init__(self, model_name: str, arch: str, dtype: torch.dtype) -> None:
+    def __init__(self, model_name: str, arch: str, dtype: torch.dtype,
+                 num_classes: int | None = None) -> None:
         self.model_name = model_name
         self.dtype = dtype
         with torch.device("meta"):
-            self._meta = torchvision.models.get_model(arch, weights=None)
+            self._meta = build(arch, num_classes)
         self._meta.eval().requires_grad_(False).to(dtype=dtype)
         self._lock = threading.Lock()
         self._tables: OrderedDict[tuple[int, int], dict[str, LayerInfo]] = OrderedDict()
