@@ -55,11 +55,17 @@ Geometry = tuple[int, "tuple[int, int] | None"]
 
 @dataclass(frozen=True)
 class ClassScore:
-    """One class's score for one image."""
+    """One class's score for one image. Unpacks as ``(index, label, prob)``:
+    ``for index, label, prob in a.top5``."""
 
     index: int
     logit: float
     prob: float
+    #: The class's name ("" when the model's classes have none: ``--labels``).
+    label: str = ""
+
+    def __iter__(self):
+        return iter((self.index, self.label, self.prob))
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,8 @@ class Attribution:
     map: np.ndarray | None = None
     #: One entry per map (one, or top_k in the order of the map's leading dimension).
     targets: list[MapTarget] = field(default_factory=list)
-    #: The five most probable classes, highest first.
+    #: The five most probable classes, highest first; each unpacks as
+    #: ``(index, label, prob)``.
     top5: list[ClassScore] = field(default_factory=list)
     #: The preprocessing geometry the map refers to, for :func:`hookserve.overlay`:
     #: (resize of the shorter side or 0, centre crop HxW or None); None if unknown.
@@ -121,6 +128,11 @@ class Attribution:
         return self._first().target.index
 
     @property
+    def label(self) -> str:
+        """The name of that class ("" when the model's classes have none)."""
+        return self._first().target.label
+
+    @property
     def logit(self) -> float:
         return self._first().target.logit
 
@@ -145,7 +157,7 @@ class Attribution:
 
 
 def _score(c: pb.ClassScore) -> ClassScore:
-    return ClassScore(int(c.class_index), float(c.logit), float(c.probability))
+    return ClassScore(int(c.class_index), float(c.logit), float(c.probability), c.label)
 
 
 def resolve_layer(layer: str | None, method: str) -> str | None:

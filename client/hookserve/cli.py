@@ -10,6 +10,7 @@ from .cli_args import (
     STREAM_TIMEOUT,
     add_connection_args,
     add_preprocessing_args,
+    classes_text,
     make_client,
     size_arg,
     unique_names,
@@ -30,6 +31,8 @@ def _describe(args) -> int:
     print(f"model {m.name} ({m.architecture}) on {m.device}, {m.dtype}; weights: "
           f"{weights_text(m)}")
     print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}")
+    if m.num_classes:
+        print(classes_text(m))
     print(f"input {d.input_size[0]}x{d.input_size[1]}: {len(d.layers)} layers\n")
     w = max(len(li.name) for li in d.layers)
     t = max(len(li.type) for li in d.layers)
@@ -44,8 +47,9 @@ def _models(args) -> int:
     with make_client(args) as c:
         for i, m in enumerate(c.list_models()):
             flag = " (default)" if i == 0 else ""
-            print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, weights "
-                  f"{weights_text(m)}")
+            classes = f"{classes_text(m)}, " if m.num_classes else ""
+            print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, {classes}"
+                  f"weights {weights_text(m)}")
     return 0
 
 

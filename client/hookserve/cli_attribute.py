@@ -26,6 +26,7 @@ from .cli_args import (
     STREAM_TIMEOUT,
     add_connection_args,
     add_preprocessing_args,
+    label_text,
     make_client,
     relative_stems,
     unique_names,
@@ -146,7 +147,8 @@ def _attribute(args) -> int:
                 overlay(args.images[r.index], r, args.alpha, index=k or 0, clip=args.clip,
                         sign=args.sign).save(png)
                 pngs.append(png)
-            classes = ",".join(f"{t.target.index} (p={t.target.prob:.3f}"
+            classes = ",".join(f"{t.target.index}{label_text(t.target.label)} "
+                               f"(p={t.target.prob:.3f}"
                                + ("" if t.delta is None else f", delta={t.delta:.4g}") + ")"
                                for t in r.targets)
             print(f"{r.id}  class {classes}  map {'x'.join(map(str, r.map.shape))}  "

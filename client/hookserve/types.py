@@ -112,6 +112,10 @@ class ModelInfo:
     crop: tuple[int, int]
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    #: Classes of the classifier head (0 from a server that does not say).
+    num_classes: int = 0
+    #: Class names in index order; () when the classes have none.
+    labels: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -122,7 +126,8 @@ class ModelInfo:
             pretrained=m.weights.pretrained, weights_verified=m.weights.verified,
             device=m.device, dtype=DTYPE_FROM_WIRE.get(m.dtype, "float32"),
             resize=p.resize, crop=(p.crop_height, p.crop_width),
-            mean=tuple(p.mean), std=tuple(p.std))
+            mean=tuple(p.mean), std=tuple(p.std), num_classes=m.num_classes,
+            labels=tuple(m.labels))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
+from .labels import model_labels
 from .logs import LOUD
 from .models import ServedModel, build_model, imagenet_cache_path, resolve_device
 from .preflight import Checked, is_loopback, metrics_host, preflight
@@ -65,14 +66,16 @@ def check(args: argparse.Namespace, pre: Checked | None = None):
 def build(args: argparse.Namespace, pre: Checked | None = None):
     """Models, engine and (unstarted) server from parsed flags (`pre`: their
     `preflight`, when already done)."""
+    pre = pre or preflight(args)
     names, weights, device, options = check(args, pre)
     if args.threads:
         torch.set_num_threads(args.threads)
     models = []
     for name in names:
         module, info = build_model(name, weights[name], seed=args.seed)
+        labels = model_labels(name, name, info.source, info.num_classes, pre.labels.get(name))
         models.append(ServedModel(name, name, module, info, device, args.dtype,
-                                  args.channels_last))
+                                  args.channels_last, labels))
         log.info("loaded %s on %s (%s weights %s, %s)", name, device, info.source,
                  info.name, info.digest[:19])
     telemetry = None

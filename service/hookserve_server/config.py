@@ -152,6 +152,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="auto | imagenet | random | PATH to a state_dict file, for every model; or "
               "MODEL=SPEC for one model (repeatable). auto: ImageNet weights when cached "
               "or downloadable, else seeded random weights with a loud warning")
+    _add(g, "--labels", default=None, repeat=True, metavar="MODEL=PATH",
+         help="class names of a model: a text file, one name a line in class-index order "
+              "(repeatable; a bare PATH when one model is served). They reach Attribute's "
+              "answers, ListModels and describe. When unset, --weights imagenet brings "
+              "torchvision's ImageNet names and other weights none")
     _add(g, "--download", default=True, is_bool=True,
          help="let auto/imagenet download ImageNet weights that are not cached in "
               "$TORCH_HOME; with --no-download start-up never touches the network "

@@ -191,10 +191,12 @@ class ServedModel:
 
     def __init__(self, name: str, arch: str, module: nn.Module, weights: WeightsInfo,
                  device: torch.device, dtype: str = "float32",
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False, labels: tuple[str, ...] = ()) -> None:
         self.name = name
         self.arch = arch
         self.weights = weights
+        #: Class names in index order (labels.py); () when the classes have none.
+        self.labels = labels
         self.device = device
         self.dtype = DType[dtype.upper()]
         self.torch_dtype = DTYPES[self.dtype]

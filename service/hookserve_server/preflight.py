@@ -15,11 +15,12 @@ import ipaddress
 import re
 import socket
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ARCHITECTURES, WEIGHT_CHOICES
 from .errors import ConfigError
+from .labels import labels_per_model
 
 #: The largest message the server sends (gRPC's send limit; chunks stay under it).
 MAX_SEND_MESSAGE_BYTES = 16 << 20
@@ -133,6 +134,8 @@ class Checked:
     tls_client_ca: bytes | None
     auth_token: str | None
     metrics_host: str | None
+    #: `--labels`: {model: path of its class names}.
+    labels: dict[str, Path] = field(default_factory=dict)
 
 
 def preflight(args: argparse.Namespace) -> Checked:
@@ -157,7 +160,7 @@ def preflight(args: argparse.Namespace) -> Checked:
         tls_key=read_file(args.tls_key, "--tls-key"),
         tls_client_ca=read_file(args.tls_client_ca, "--tls-client-ca"),
         auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
-        metrics_host=mhost)
+        metrics_host=mhost, labels=labels_per_model(names, args.labels or []))
     if args.tls_cert:
         check_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     check_bindable(host, args.port, "--port")

@@ -158,7 +158,8 @@ def model_info(m: ServedModel) -> pb.ModelInfo:
                                pretrained=w.pretrained, verified=w.verified),
         preprocessing=pb.PreprocessingInfo(
             resize=d.resize, crop_height=d.crop[0], crop_width=d.crop[1], mean=d.mean,
-            std=d.std, interpolation=d.interpolation))
+            std=d.std, interpolation=d.interpolation),
+        num_classes=w.num_classes, labels=m.labels)
 
 
 def layer_info(li: LayerInfo) -> pb.LayerInfo:
@@ -191,7 +192,8 @@ def attribution_messages(result: ImageResult, chunk_bytes: int
 
 
 def _score(s: ClassScore) -> pb.ClassScore:
-    return pb.ClassScore(class_index=s.class_index, logit=s.logit, probability=s.probability)
+    return pb.ClassScore(class_index=s.class_index, logit=s.logit, probability=s.probability,
+                         label=s.label)
 
 
 def _summary(out: AttributionOutput) -> pb.AttributionSummary:

@@ -222,20 +222,24 @@ class PreprocessingInfo(_message.Message):
     def __init__(self, resize: _Optional[int] = ..., crop_height: _Optional[int] = ..., crop_width: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., interpolation: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "weights", "device", "dtype", "preprocessing")
+    __slots__ = ("name", "architecture", "weights", "device", "dtype", "preprocessing", "num_classes", "labels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREPROCESSING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     weights: WeightsInfo
     device: str
     dtype: DType
     preprocessing: PreprocessingInfo
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., weights: _Optional[_Union[WeightsInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., preprocessing: _Optional[_Union[PreprocessingInfo, _Mapping]] = ...) -> None: ...
+    num_classes: int
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., weights: _Optional[_Union[WeightsInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., preprocessing: _Optional[_Union[PreprocessingInfo, _Mapping]] = ..., num_classes: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribeModelRequest(_message.Message):
     __slots__ = ("model", "input_height", "input_width")
@@ -334,14 +338,16 @@ class AttributeRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[AttributionSpec, _Mapping]] = ..., image: _Optional[_Union[AttributeImage, _Mapping]] = ...) -> None: ...
 
 class ClassScore(_message.Message):
-    __slots__ = ("class_index", "logit", "probability")
+    __slots__ = ("class_index", "logit", "probability", "label")
     CLASS_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGIT_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
     class_index: int
     logit: float
     probability: float
-    def __init__(self, class_index: _Optional[int] = ..., logit: _Optional[float] = ..., probability: _Optional[float] = ...) -> None: ...
+    label: str
+    def __init__(self, class_index: _Optional[int] = ..., logit: _Optional[float] = ..., probability: _Optional[float] = ..., label: _Optional[str] = ...) -> None: ...
 
 class AttributionTarget(_message.Message):
     __slots__ = ("target", "map_min", "map_max", "completeness_delta")

@@ -24,6 +24,7 @@ from ..capture.attribute import AttributionJob, ImageAttribution, PassPlan
 from ..capture.gradients import Tap, graph_bytes
 from ..capture.table import LayerInfo, entry, split_input_name
 from ..errors import InvalidArgument, ResourceExhausted
+from ..labels import named
 from ..models import ServedModel
 from ..preprocess.geometry import fixed_input_size, validate_preprocess
 from ..spec import DType, ImageInput
@@ -298,7 +299,8 @@ class AttributeJob:
     def outputs(self) -> list[list[AttributionOutput]]:
         """Per image, its one AttributionOutput (the job's state is freed)."""
         spec = self.items[0].task.spec.attribution
-        return [[_output(spec, r)] for r in self.job.finish()]
+        labels = self.items[0].model.labels
+        return [[_output(spec, r, labels)] for r in self.job.finish()]
 
 
 def start_job(model: ServedModel, x: torch.Tensor, items: list[WorkItem], room: int,
@@ -319,8 +321,11 @@ def start_job(model: ServedModel, x: torch.Tensor, items: list[WorkItem], room: 
     return AttributeJob(items, job, memory.job(len(items), plan.rows))
 
 
-def _output(spec: AttributionSpec, r: ImageAttribution) -> AttributionOutput:
+def _output(spec: AttributionSpec, r: ImageAttribution, labels: tuple[str, ...]
+            ) -> AttributionOutput:
     t = r.map
     return AttributionOutput(spec.layer, DType.FLOAT32, tuple(t.shape),
                              memoryview(t.reshape(-1).view(torch.uint8).numpy()),
-                             targets=tuple(r.targets), top5=tuple(r.top5))
+                             targets=tuple(dataclasses.replace(x, target=named(x.target, labels))
+                                           for x in r.targets),
+                             top5=tuple(named(s, labels) for s in r.top5))
