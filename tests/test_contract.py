@@ -14,7 +14,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve_server import wire
 from hookserve_server.capture.reduce import DTYPES, REDUCTIONS
 from hookserve_server.errors import InvalidArgument
-from hookserve_server.spec import DType, Mode, Reduction
+from hookserve_server.spec import DType, Layout, Mode, Reduction
 
 SERVER = Path(__file__).resolve().parents[1] / "service" / "hookserve_server"
 
@@ -72,9 +72,12 @@ def test_reduction_shapes_are_those_the_proto_documents():
     from hookserve_server.capture.reduce import reduced_shape
     from hookserve_server.spec import LayerSpec
 
-    shapes = {r: reduced_shape(LayerSpec("x", r), (8, 5, 3)) for r in Reduction}
+    shapes = {r: reduced_shape(LayerSpec("x", r), (8, 5, 3)) for r in Reduction
+              if r is not Reduction.CLS}
     assert shapes == {Reduction.NONE: (8, 5, 3), Reduction.AVG: (8,), Reduction.MAX: (8,),
                       Reduction.FLATTEN: (120,), Reduction.STATS: (8, 5)}
+    # cls takes token 0 of a [T, D] layer: (D,)
+    assert reduced_shape(LayerSpec("x", Reduction.CLS, layout=Layout.TD), (197, 768)) == (768,)
 
 
 # -- layout rules ------------------------------------------------------------------------

@@ -37,15 +37,18 @@ METHODS = {
 CAM_METHODS = ("grad_cam", "hires_cam", "layer_cam")
 SCORES = {"logit": pb.ATTRIBUTION_SCORE_LOGIT, "softmax": pb.ATTRIBUTION_SCORE_SOFTMAX}
 BASELINES = {"zeros": pb.ATTRIBUTION_BASELINE_ZEROS, "black": pb.ATTRIBUTION_BASELINE_BLACK}
-#: The layer a CAM method explains when none is given (ResNet's last block).
-DEFAULT_LAYER = "layer4"
+#: The layer a CAM method explains when none is given: sent empty, the server picks the
+#: model's default (`ModelInfo.default_cam_layer`: resnet "layer4", vgg its last
+#: convolution, vit the last block's "ln_1").
+DEFAULT_LAYER = ""
 
 
 class _DefaultLayer(str):
-    """The `layer` default: DEFAULT_LAYER for the CAM methods, none for the others."""
+    """The `layer` default: the model's default CAM layer for the CAM methods, none for
+    the others."""
 
     def __repr__(self) -> str:
-        return f"{DEFAULT_LAYER!r} for CAM methods, None otherwise"
+        return "the model's default_cam_layer for CAM methods, None otherwise"
 
 
 AUTO_LAYER = _DefaultLayer(DEFAULT_LAYER)

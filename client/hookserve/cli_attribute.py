@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from .attribution import AUTO_LAYER, BASELINES, DEFAULT_LAYER, METHODS, SCORES
+from .attribution import AUTO_LAYER, BASELINES, METHODS, SCORES
 from .cli_args import (
     STREAM_TIMEOUT,
     add_connection_args,
@@ -51,8 +51,10 @@ def add_attribute_parser(sub) -> None:
     s.add_argument("--method", default="grad_cam", choices=list(METHODS),
                    help="CAM methods explain --layer; the others the input pixels "
                         "(default: %(default)s)")
-    s.add_argument("--layer", help=f"the layer a CAM method explains (default: "
-                                   f"{DEFAULT_LAYER}); NAME:input for a module's input; "
+    s.add_argument("--layer", help="the layer a CAM method explains (default: the model's "
+                                   "default CAM layer, which `hookserve describe` shows: "
+                                   "resnet layer4, vgg its last convolution, vit the last "
+                                   "block's ln_1); NAME:input for a module's input; "
                                    "omit it for the input-space methods")
     s.add_argument("--model", help="model name (default: the server's default)")
     s.add_argument("--target", type=int,

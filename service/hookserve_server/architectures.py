@@ -26,9 +26,17 @@ def build(arch: str, num_classes: int | None = None) -> nn.Module:
     return torchvision.models.get_model(arch, weights=None, **kwargs)
 
 
+def build_meta(arch: str, num_classes: int | None = None) -> nn.Module:
+    """`arch` on the meta device (shapes, no memory). A builder that computes with
+    tensors (regnet's widths) cannot run there: it is built on the CPU and moved."""
+    try:
+        with torch.device("meta"):
+            return build(arch, num_classes)
+    except (NotImplementedError, RuntimeError):
+        return build(arch, num_classes).to("meta")
+
+
 @functools.cache
 def classifier_keys(arch: str) -> tuple[str, ...]:
     """The state_dict keys of `arch`'s classifier head (read off a meta-device copy)."""
-    with torch.device("meta"):
-        model = build(arch)
-    return tuple(head_keys(model, DEFAULT_CLASSES))
+    return tuple(head_keys(build_meta(arch), DEFAULT_CLASSES))

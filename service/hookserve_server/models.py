@@ -1,6 +1,6 @@
 """Architectures, weights loading, and ServedModel (a model on its device).
 
-Adding a torchvision architecture is one line in ``config.ARCHITECTURES``.
+The architectures are torchvision's classifiers (``config.ARCHITECTURES``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .capture.table import LayerInfo, LayerTables, layer_names
 from .checkpoints import SAVE_HINT, head_classes, load_into, read_state_dict  # noqa: F401
 from .config import ARCHITECTURES, WEIGHT_CHOICES  # noqa: F401  (models.WEIGHT_CHOICES)
 from .errors import ConfigError
+from .layouts import default_cam_layer
 from .logs import LOUD
 from .spec import DType
 
@@ -131,8 +132,7 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
     """Build `arch` on the CPU with `weights` = auto | imagenet | random | PATH."""
     if arch not in ARCHITECTURES:
         raise ConfigError(
-            f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}"
-        )
+            f"unknown architecture {arch!r}: `hookserve models --available` lists them")
     torch.manual_seed(seed)
     if weights in ("imagenet", "auto"):
         try:
@@ -213,6 +213,9 @@ class ServedModel:
         self.tables = LayerTables(name, arch, self.torch_dtype, weights.num_classes)
         #: layer name -> (module path, call index)
         self.layer_index = layer_names(self.layer_table(*self.defaults.crop))
+        #: The layer the CAM methods explain when none is named.
+        self.default_cam_layer = default_cam_layer(arch, self.layer_table(*self.defaults.crop),
+                                                   self.modules)
 
     def layer_table(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (capture/table.py)."""

@@ -10,6 +10,7 @@ Each check raises a ConfigError that says what to change. No torch, no grpc here
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import ipaddress
 import re
@@ -152,8 +153,11 @@ def preflight(args: argparse.Namespace) -> Checked:
         raise ConfigError(f"--model lists a model twice: {names}")
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
-        raise ConfigError(f"unknown --model {', '.join(unknown)}: choose from "
-                          f"{', '.join(ARCHITECTURES)}")
+        close = difflib.get_close_matches(unknown[0], ARCHITECTURES, n=4, cutoff=0.5)
+        raise ConfigError(f"unknown --model {', '.join(unknown)}: "
+                          + (f"closest: {', '.join(close)}; " if close else "")
+                          + "`hookserve models --available` lists the torchvision "
+                          "classifiers it takes")
     checked = Checked(
         names=names, weights=weights_per_model(names, args.weights or []), host=host,
         tls_cert=read_file(args.tls_cert, "--tls-cert"),

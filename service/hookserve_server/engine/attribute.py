@@ -14,6 +14,7 @@ by `pass_plan` to --attribution-pass-cost, and the memory it holds
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from ..capture.gradients import Tap, graph_bytes
 from ..capture.table import LayerInfo, entry, split_input_name
 from ..errors import InvalidArgument, ResourceExhausted
 from ..labels import named
+from ..layouts import map_shape, to_grid
 from ..models import ServedModel
 from ..preprocess.geometry import fixed_input_size, validate_preprocess
 from ..spec import DType, ImageInput
@@ -83,15 +85,14 @@ def resolve_attribution(limits: Limits, max_cost: int, m: ServedModel,
     num_classes = math.prod(list(table.values())[-1].shape)
     method = spec.method
     if method.is_cam:
-        if not spec.layer:
+        if not spec.layer:  # the family's default (ModelInfo.default_cam_layer)
+            spec = dataclasses.replace(spec, layer=m.default_cam_layer)
+        e = entry(table, spec.layer)
+        if map_shape(e.shape, e.layout) is None:
             raise InvalidArgument(
-                f"method {method.label} needs a layer: name a convolutional layer of "
-                f"{m.name} such as {_last_conv_like(table)} (DescribeModel lists them)")
-        shape = entry(table, spec.layer).shape
-        if len(shape) != 3:
-            raise InvalidArgument(
-                f"layer {spec.layer} gives shape {list(shape)} per image: {method.label} needs "
-                f"a [C, h, w] feature map, such as {_last_conv_like(table)}")
+                f"layer {spec.layer} gives shape {list(e.shape)} per image: {method.label} "
+                f"needs a feature map ([C, h, w], [h, w, C], or [T, D] patch tokens), such as "
+                f"{m.default_cam_layer}")
     elif spec.layer:
         raise InvalidArgument(
             f"method {method.label} explains the input and takes no layer: leave layer "
@@ -141,21 +142,6 @@ def _cost_fix(spec: AttributionSpec) -> str:
     if not fix:
         return "this method costs that much at one target (raise the flag to allow it)"
     return "use " + " or ".join(fix)
-
-
-def _last_conv_like(table: dict[str, LayerInfo]) -> str:
-    """A CAM layer to suggest: the last [C, h, w] output that is not a pooling
-    layer's (nor a container's that ends in one): resnet "layer4", vgg "features.19"."""
-    rows = list(table.values())
-
-    def pooled(li: LayerInfo) -> bool:
-        inner = [r for r in rows if r.module.startswith(li.module + ".")]
-        last = max(inner, key=lambda r: r.order) if inner else li
-        return "Pool" in last.type
-
-    names = [li.name for li in rows
-             if len(li.shape) == 3 and "_" not in li.name and not pooled(li)]
-    return (names or ["layer4"])[-1]
 
 
 @dataclass(frozen=True)
@@ -209,7 +195,7 @@ def attribution_memory(m: ServedModel, h: int, w: int, layer: str | None,
         start = _first_order(table, e.module) if on_input else e.order
         path, call = m.layer_index[layer]
         tap = (path, call, on_input)
-        maps = math.prod(e.shape[1:]) + (h * w if upsample else 0)
+        maps = math.prod(map_shape(e.shape, e.layout)) + (h * w if upsample else 0)
     after = [li.bytes_per_image for li in leaves if li.order > start]
     before = [li.bytes_per_image + (0 if getattr(m.modules[li.module], "inplace", False)
                                     else li.input_bytes)
@@ -246,7 +232,8 @@ def attribution_sizes(limits: Limits, m: ServedModel, spec: AttributionSpec, h: 
     table = m.layer_table(h, w)
     k = spec.targets_per_image
     if spec.method.is_cam:
-        per_map = h * w if spec.upsample else math.prod(entry(table, spec.layer).shape[1:])
+        e = entry(table, spec.layer)
+        per_map = h * w if spec.upsample else math.prod(map_shape(e.shape, e.layout))
     else:
         per_map = 3 * h * w
     answer = k * per_map * 4 + SUMMARY_BYTES
@@ -311,13 +298,15 @@ def start_job(model: ServedModel, x: torch.Tensor, items: list[WorkItem], room: 
     memory = attribution_memory(model, h, w, spec.layer or None, spec.targets_per_image,
                                 spec.upsample)
     plan = pass_plan(spec, len(items), memory, room, cfg)
-    tap = None
+    tap = grid = None
     if spec.method.is_cam:
         path, call = model.layer_index[spec.layer]
         tap = Tap(model.modules[path], call, split_input_name(spec.layer)[1], spec.layer)
+        layout = entry(model.layer_table(*x.shape[2:]), spec.layer).layout
+        grid = functools.partial(to_grid, layout=layout)
     black = ((0.0 - model.mean) / model.std).to(x.dtype)
     job = AttributionJob(model.module, x, spec, [it.task.target for it in items], plan,
-                         tap=tap, black=black)
+                         tap=tap, black=black, grid=grid)
     return AttributeJob(items, job, memory.job(len(items), plan.rows))
 
 
