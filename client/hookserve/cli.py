@@ -30,7 +30,8 @@ def _describe(args) -> int:
     m = d.model
     print(f"model {m.name} ({m.architecture}) on {m.device}, {m.dtype}; weights: "
           f"{weights_text(m)}")
-    print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}")
+    print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}, "
+          f"mean {_floats(m.mean)}, std {_floats(m.std)}")
     if m.num_classes:
         print(classes_text(m))
     if m.default_cam_layer:
@@ -44,6 +45,10 @@ def _describe(args) -> int:
         print(f"{li.name:<{w}}  {li.type:<{t}}  {shape:<18} {li.bytes_per_image / 1e6:>9.3f}  "
               f"{li.layout}")
     return 0
+
+
+def _floats(values) -> str:
+    return "(" + ", ".join(f"{v:.4g}" for v in values) + ")"
 
 
 def _models(args) -> int:

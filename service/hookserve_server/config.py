@@ -169,6 +169,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="auto | imagenet | random | PATH to a state_dict file, for every model; or "
               "MODEL=SPEC for one model (repeatable). auto: ImageNet weights when cached "
               "or downloadable, else seeded random weights with a loud warning")
+    _add(g, "--models", default=None, metavar="FILE",
+         help="a TOML file declaring the served models ([[model]] tables: name, "
+              "architecture, weights, labels, dtype, device, preprocessing); it replaces "
+              "--model, --weights and --labels, and its first model is the default. "
+              "When unset, the models come from --model")
     _add(g, "--labels", default=None, repeat=True, metavar="MODEL=PATH",
          help="class names of a model: a text file, one name a line in class-index order "
               "(repeatable; a bare PATH when one model is served). They reach Attribute's "

@@ -191,7 +191,8 @@ class ServedModel:
 
     def __init__(self, name: str, arch: str, module: nn.Module, weights: WeightsInfo,
                  device: torch.device, dtype: str = "float32",
-                 channels_last: bool = False, labels: tuple[str, ...] = ()) -> None:
+                 channels_last: bool = False, labels: tuple[str, ...] = (),
+                 defaults: Defaults | None = None) -> None:
         self.name = name
         self.arch = arch
         self.weights = weights
@@ -201,7 +202,8 @@ class ServedModel:
         self.dtype = DType[dtype.upper()]
         self.torch_dtype = DTYPES[self.dtype]
         self.channels_last = channels_last
-        self.defaults = defaults_for(arch)
+        #: The preprocessing in force: the weights' transforms(), or the model file's.
+        self.defaults = defaults or defaults_for(arch)
         module.eval().requires_grad_(False)
         module.to(device=device, dtype=self.torch_dtype)
         if channels_last:

@@ -22,6 +22,7 @@ from pathlib import Path
 from .config import ARCHITECTURES, WEIGHT_CHOICES
 from .errors import ConfigError
 from .labels import labels_per_model
+from .model_file import ModelEntry, from_flags, read_model_file
 
 #: The largest message the server sends (gRPC's send limit; chunks stay under it).
 MAX_SEND_MESSAGE_BYTES = 16 << 20
@@ -137,6 +138,8 @@ class Checked:
     metrics_host: str | None
     #: `--labels`: {model: path of its class names}.
     labels: dict[str, Path] = field(default_factory=dict)
+    #: Every served model, in order (`--models`, or the flags).
+    entries: list[ModelEntry] = field(default_factory=list)
 
 
 def preflight(args: argparse.Namespace) -> Checked:
@@ -148,6 +151,29 @@ def preflight(args: argparse.Namespace) -> Checked:
         raise ConfigError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    entries = (read_model_file(Path(args.models).expanduser()) if args.models
+               else models_from_flags(args))
+    checked = Checked(
+        names=[e.name for e in entries], weights={e.name: e.weights for e in entries},
+        host=host,
+        tls_cert=read_file(args.tls_cert, "--tls-cert"),
+        tls_key=read_file(args.tls_key, "--tls-key"),
+        tls_client_ca=read_file(args.tls_client_ca, "--tls-client-ca"),
+        auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
+        metrics_host=mhost, labels={e.name: e.labels for e in entries if e.labels},
+        entries=entries)
+    if args.tls_cert:
+        check_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    check_bindable(host, args.port, "--port")
+    if mhost is not None:
+        import prometheus_client  # noqa: F401  (the server extra's: missing, say so now)
+
+        check_bindable(mhost, args.metrics_port, "--metrics-port")
+    return checked
+
+
+def models_from_flags(args: argparse.Namespace) -> list[ModelEntry]:
+    """The models --model, --weights and --labels declare, checked."""
     names = args.model or ["resnet50"]
     if len(set(names)) != len(names):
         raise ConfigError(f"--model lists a model twice: {names}")
@@ -158,21 +184,8 @@ def preflight(args: argparse.Namespace) -> Checked:
                           + (f"closest: {', '.join(close)}; " if close else "")
                           + "`hookserve models --available` lists the torchvision "
                           "classifiers it takes")
-    checked = Checked(
-        names=names, weights=weights_per_model(names, args.weights or []), host=host,
-        tls_cert=read_file(args.tls_cert, "--tls-cert"),
-        tls_key=read_file(args.tls_key, "--tls-key"),
-        tls_client_ca=read_file(args.tls_client_ca, "--tls-client-ca"),
-        auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
-        metrics_host=mhost, labels=labels_per_model(names, args.labels or []))
-    if args.tls_cert:
-        check_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
-    check_bindable(host, args.port, "--port")
-    if mhost is not None:
-        import prometheus_client  # noqa: F401  (the server extra's: missing, say so now)
-
-        check_bindable(mhost, args.metrics_port, "--metrics-port")
-    return checked
+    return from_flags(names, weights_per_model(names, args.weights or []),
+                      labels_per_model(names, args.labels or []))
 
 
 def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
