@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from .architectures import is_timm
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
 from .labels import model_labels
@@ -40,7 +41,8 @@ def no_download(weights: dict[str, str], archs: dict[str, str] | None = None
     model's architecture, when it is not the model's name."""
     out = dict(weights)
     for m, v in weights.items():
-        if v not in ("auto", "imagenet") or imagenet_cache_path((archs or {}).get(m, m)).is_file():
+        arch = (archs or {}).get(m, m)
+        if v not in ("auto", "imagenet") or is_timm(arch) or imagenet_cache_path(arch).is_file():
             continue
         if v == "imagenet":
             raise ConfigError(

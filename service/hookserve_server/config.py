@@ -34,6 +34,15 @@ ARCHITECTURES: tuple[str, ...] = (
     "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "vit_b_16", "vit_b_32", "vit_h_14",
     "vit_l_16", "vit_l_32", "wide_resnet101_2", "wide_resnet50_2",
 )
+#: The prefix of a timm model name (`--model timm:resnet50d`; the `timm` extra).
+TIMM_PREFIX = "timm:"
+
+
+def known_architecture(name: str) -> bool:
+    """A torchvision classifier's name, or a timm model's (checked when timm loads)."""
+    return name in ARCHITECTURES or (name.startswith(TIMM_PREFIX) and len(name) > 5)
+
+
 #: --weights values other than a file's path.
 WEIGHT_CHOICES = ("auto", "imagenet", "random")
 
@@ -163,8 +172,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--model", default=["resnet50"], repeat=True, metavar="ARCH",
          help="architecture to serve: any torchvision image classifier (resnet50, vgg16, "
               "efficientnet_b0, convnext_tiny, vit_b_16, ...; `hookserve models "
-              "--available` lists them); repeat for several, the first being the default "
-              "model")
+              "--available` lists them), or timm:NAME with the timm extra (weights from a "
+              "file); repeat for several, the first being the default model")
     _add(g, "--weights", default=["auto"], repeat=True, metavar="SPEC",
          help="auto | imagenet | random | PATH to a state_dict file, for every model; or "
               "MODEL=SPEC for one model (repeatable). auto: ImageNet weights when cached "

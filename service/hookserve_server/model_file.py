@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ARCHITECTURES, WEIGHT_CHOICES
+from .config import WEIGHT_CHOICES, known_architecture
 from .errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -99,7 +99,7 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
         raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} (keys: "
                           f"{', '.join(sorted(KEYS))})")
     arch = t.get("architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or not known_architecture(arch):
         raise ConfigError(f"{where}: architecture {arch!r} is not a torchvision classifier "
                           "(`hookserve models --available` lists them)")
     name = _string(t.get("name", arch), "name", where)

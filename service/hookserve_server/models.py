@@ -16,7 +16,14 @@ import torch
 import torchvision
 from torch import nn
 
-from .architectures import DEFAULT_CLASSES, build, classifier_keys
+from .architectures import (
+    DEFAULT_CLASSES,
+    build,
+    check_timm,
+    classifier_keys,
+    is_timm,
+    timm_transforms,
+)
 from .capture.reduce import DTYPES
 from .capture.table import LayerInfo, LayerTables, layer_names
 from .checkpoints import SAVE_HINT, head_classes, load_into, read_state_dict  # noqa: F401
@@ -69,7 +76,11 @@ def default_weights_enum(arch: str):
 
 
 def defaults_for(arch: str) -> Defaults:
-    """The standard transforms of the architecture's default torchvision weights."""
+    """The standard transforms of the architecture's default torchvision weights (a
+    timm model's: its data config; hookserve resizes bilinearly)."""
+    if is_timm(arch):
+        resize, crop, mean, std = timm_transforms(arch)
+        return Defaults(resize, crop, mean, std)
     tf = default_weights_enum(arch).transforms()
     crop = int(tf.crop_size[0])
     return Defaults(
@@ -130,7 +141,17 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
 
 def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, WeightsInfo]:
     """Build `arch` on the CPU with `weights` = auto | imagenet | random | PATH."""
-    if arch not in ARCHITECTURES:
+    if is_timm(arch):
+        check_timm(arch)
+        if weights == "imagenet":
+            raise ConfigError(f"{arch}: timm models take their weights from a file "
+                              "(--weights PATH); hookserve downloads none")
+        if weights == "auto":
+            log.warning("%s: NO PRETRAINED WEIGHTS: timm weights come from a file "
+                        "(--weights PATH), so serving RANDOM weights (seed=%d): features "
+                        "are meaningless for real use", arch, seed, extra=LOUD)
+            weights = "random"
+    elif arch not in ARCHITECTURES:
         raise ConfigError(
             f"unknown architecture {arch!r}: `hookserve models --available` lists them")
     torch.manual_seed(seed)

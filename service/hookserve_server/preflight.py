@@ -19,7 +19,7 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ARCHITECTURES, WEIGHT_CHOICES
+from .config import ARCHITECTURES, WEIGHT_CHOICES, known_architecture
 from .errors import ConfigError
 from .labels import labels_per_model
 from .model_file import ModelEntry, from_flags, read_model_file
@@ -177,7 +177,7 @@ def models_from_flags(args: argparse.Namespace) -> list[ModelEntry]:
     names = args.model or ["resnet50"]
     if len(set(names)) != len(names):
         raise ConfigError(f"--model lists a model twice: {names}")
-    unknown = [n for n in names if n not in ARCHITECTURES]
+    unknown = [n for n in names if not known_architecture(n)]
     if unknown:
         close = difflib.get_close_matches(unknown[0], ARCHITECTURES, n=4, cutoff=0.5)
         raise ConfigError(f"unknown --model {', '.join(unknown)}: "
@@ -193,7 +193,7 @@ def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
     out = dict.fromkeys(models, "auto")
     for spec in specs:
         name, sep, value = spec.partition("=")
-        if sep and name in ARCHITECTURES:
+        if sep and known_architecture(name):
             if name not in out:
                 raise ConfigError(f"--weights {spec}: {name} is not among --model {models}")
             out[name] = value
