@@ -146,3 +146,17 @@ def test_cam_without_a_layer_explains_the_family_default(client):
         auto = client.attribute(img, model=model, resize=64, crop=64)
         named = client.attribute(img, layer, model=model, resize=64, crop=64)
         np.testing.assert_array_equal(auto.map, named.map)
+
+
+def test_swin_blocks_are_channels_last():
+    from hookserve_server.models import ServedModel
+    from hookserve_server.spec import Layout
+
+    module, info = build_model("swin_t", "random")
+    m = ServedModel("swin_t", "swin_t", module, info, torch.device("cpu"))
+    table = m.layer_table(224, 224)
+    assert table["features.7"].shape == (7, 7, 768) and table["features.7"].layout is Layout.HWC
+    assert table["features.0"].layout is Layout.HWC  # patch embedding, permuted
+    assert table["permute"].shape == (768, 7, 7) and table["permute"].layout is Layout.CHW
+    assert table["head"].layout is Layout.D
+    assert m.default_cam_layer == "features.7"
