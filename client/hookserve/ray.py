@@ -44,6 +44,7 @@ import numpy as np
 from . import errors
 from .batch.limits import Cap, file_cap
 from .client import Client
+from .tables import DTYPES, REDUCTIONS, follows_size, numpy_dtype, reduced_shape
 
 __all__ = ["HookserveMapper", "read_bytes"]
 
@@ -112,28 +113,22 @@ class HookserveMapper:
         desc = self.client.describe(model, crop)
         #: the per-file cap: max_file_bytes, lowered to what the server accepts
         self.cap = file_cap(max_file_bytes, [desc.max_message_bytes], "max_file_bytes")
-        self.shapes = self._fixed_shapes(desc, reduction, native, resize, crop)
-        self.fill = 0 if dtype == "bfloat16" else np.nan
-        self.np_dtype = {"float32": np.float32, "float16": np.float16,
-                         "bfloat16": np.uint16}.get(dtype, np.float32)
+        self.shapes = self._fixed_shapes(desc, reduction, native or bool(resize and not crop))
+        #: what a failed row holds in a fixed-shape column: NaN, or 0 for bfloat16 (bits)
+        self.np_dtype = numpy_dtype(dtype if dtype in DTYPES else "float32")
+        self.fill = np.nan if self.np_dtype.kind == "f" else 0
 
-    def _fixed_shapes(self, desc, reduction, native, resize, crop) -> dict[str, tuple] | None:
-        """Each layer's shape for every image, from DescribeModel; None when it varies."""
-        if native or (resize and not crop):
-            if reduction not in ("avg", "max"):
-                return None
+    def _fixed_shapes(self, desc, reduction: str, sized: bool) -> dict[str, tuple] | None:
+        """Each layer's shape for every image, from DescribeModel and the reduction's
+        shape rule; None when it varies (`sized`: the input keeps each image's size,
+        and a reduction that follows it does too)."""
         shapes = {}
         for la in self.layers:
             name = getattr(la, "name", la)
             red = getattr(la, "reduction", None) or reduction
-            shape = tuple(desc.layer(name).shape)
-            if red in ("avg", "max"):
-                shape = shape[:1]
-            elif red == "flatten":
-                shape = (int(np.prod(shape)),)
-            elif red != "none" or native or (resize and not crop):
-                return None  # a reduction whose shape DescribeModel does not give
-            shapes[name] = shape
+            if red not in REDUCTIONS or (sized and follows_size(red)):
+                return None
+            shapes[name] = reduced_shape(red, desc.shape_of(name))
         return shapes
 
     # -- one batch ---------------------------------------------------------------------

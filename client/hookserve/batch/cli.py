@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from ..cli_args import add_connection_args, size_arg
-from ..tensors import DTYPE_NAMES
-from ..types import REDUCTIONS
+from ..tables import DTYPES, REDUCTIONS
 from .errors import (
     EXIT_CANNOT_PROCEED,
     EXIT_INCOMPLETE,
@@ -85,7 +84,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name (default: the server's default)")
     p.add_argument("--reduction", default="none", choices=list(REDUCTIONS),
                    help="reduction for layers without their own (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES),
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="feature dtype; bfloat16 is stored as uint16 bit patterns")
     p.add_argument("--l2-normalize", action="store_true",
                    help="divide each image's feature by its L2 norm")
