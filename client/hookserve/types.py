@@ -20,7 +20,6 @@ from .v1 import hookserve_pb2 as pb
 Size = int | str | tuple[int, int]
 
 
-
 @dataclass(frozen=True)
 class Layer:
     """A requested layer with its reduction (none|avg|max|flatten|stats), dtype and L2

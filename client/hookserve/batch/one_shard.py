@@ -17,13 +17,13 @@ from collections import deque
 from collections.abc import Sequence
 
 from .. import errors
+from ..retry import RETRY_STREAM, RetryPolicy
 from .defaults import DEFAULTS, LOCAL_ONLY
 from .errors import Abort
 from .intake import Intake
 from .limits import ByteBudget, Cap, check_flags
 from .readers import entries
 from .remote import MissingExtra, set_store_timeout
-from .scheduler import RETRY_STREAM, backoff, retryable
 from .shard_output import ShardIncomplete, ShardOutput, ShardResult
 from .shard_plan import Shard, shard_from_key
 from .sinks.base import OutputError
@@ -139,6 +139,7 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
     """
     intake = Intake(entries(shard, **(read or {})), budget or ByteBudget())
     watchdog = watchdog or Watchdog(None)
+    policy = RetryPolicy(retries)
     done: dict[int, tuple] = {}
     todo: deque = deque()          # (pos, id, data, attempts) to send again
     failed_passes = 0
@@ -173,9 +174,9 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
                                       watchdog=watchdog, **opts):
                     answered += 1
                     pos, iid, data, att = sent.pop(r.id)
-                    if r.error is not None and retryable(r.error) and att < retries:
-                        retry.append((r.error.retry_after_s or backoff(att + 1),
-                                      (pos, iid, data, att + 1)))
+                    delay = policy.image_delay(r.error, att)
+                    if delay is not None:
+                        retry.append((delay, (pos, iid, data, att + 1)))
                     else:
                         intake.release(len(data))
                         done[pos] = (iid, r.error if r.error is not None else
@@ -189,9 +190,9 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
                         intake.release(len(data))
                         done[pos] = (iid, exc)
                     else:
-                        retry.append((backoff(att + 1), (pos, iid, data, att + 1)))
+                        retry.append((policy.backoff(att + 1), (pos, iid, data, att + 1)))
                 if not retry:
-                    time.sleep(backoff(failed_passes))
+                    time.sleep(policy.backoff(failed_passes))
             if retry:
                 time.sleep(max(d for d, _ in retry))  # back off before the retry pass
                 todo.extend(item for _, item in sorted(retry, key=lambda x: x[1][0]))
