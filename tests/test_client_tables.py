@@ -107,3 +107,12 @@ def test_batch_layers_take_the_tables_reductions_and_the_input_port():
     with pytest.raises(Abort, match="reduction must be one of none, avg, max, flatten, "
                                     "stats"):
         parse_layers(["layer4:mean"], "none")
+
+
+def test_batch_flag_defaults_are_declared_once():
+    from hookserve.batch.defaults import DEFAULTS
+
+    args = vars(build_parser().parse_args(["batch", "in", "--out", "o", "--layers", "fc"]))
+    for given in ("command", "func", "inputs", "out", "layers", "server"):
+        del args[given]
+    assert args == DEFAULTS

@@ -42,14 +42,16 @@ from typing import Any
 import numpy as np
 
 from . import errors
+from .batch.inputs import MAX_FILE_BYTES
 from .batch.limits import Cap, file_cap
 from .client import Client
 from .tables import DTYPES, REDUCTIONS, follows_size, numpy_dtype, reduced_shape
 
 __all__ = ["HookserveMapper", "read_bytes"]
 
-#: Per-file read cap for the ``path`` column (bytes); larger files become error rows.
-DEFAULT_MAX_FILE_BYTES = 256 << 20
+#: Per-file read cap for the ``path`` column (bytes); larger files become error rows
+#: (the default of `hookserve batch --max-file-bytes`).
+DEFAULT_MAX_FILE_BYTES = MAX_FILE_BYTES
 
 
 def read_bytes(path: str, storage_options: dict | None = None,

@@ -130,7 +130,8 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         "instead of copying everything into one file")
     p.add_argument("--errors", help="CSV of failed images: path, code, message "
                                     "(default: OUT.errors.csv; removed when none failed)")
-    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+    p.add_argument("--progress", dest="progress", action="store_true",
+                   default=DEFAULTS["progress"],
                    help="show the progress bar (default: only when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="never show the progress bar")

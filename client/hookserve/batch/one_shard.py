@@ -125,7 +125,7 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
 
 
 def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None,
-                  retries: int = 5, window: int = 64, read: dict | None = None,
+                  retries: int = DEFAULTS["retries"], window: int = 64, read: dict | None = None,
                   budget: ByteBudget | None = None, watchdog: Watchdog | None = None
                   ) -> tuple[list, list]:
     """Every image of `shard` through one stream, then passes for retries (and after a
