@@ -82,3 +82,23 @@ def test_sdk_files_stay_small():
              for p in _modules().values()}
     over = {k: v for k, v in sizes.items() if v > MAX_LINES}
     assert not over, f"split these files (over {MAX_LINES} lines): {over}"
+
+
+def test_no_package_name_shadows_one_of_its_modules():
+    """`hookserve.batch.run` is a function: no module of that name may hide behind it.
+    `hookserve.overlay` is the one such name, kept: the function is the documented API,
+    and its module's other names import as ``from hookserve.overlay import heat``."""
+    import importlib
+    import types
+
+    for name in sorted(set(_modules()) - {"hookserve.overlay"}):
+        pkg_name, _, sub = name.rpartition(".")
+        if not pkg_name:
+            continue
+        pkg = importlib.import_module(pkg_name)
+        if not hasattr(pkg, "__path__"):
+            continue
+        module = importlib.import_module(name)
+        value = getattr(pkg, sub, module)
+        assert value is module, f"{pkg_name}.{sub} is {value!r}, not the module {name}"
+        assert isinstance(module, types.ModuleType)
