@@ -32,6 +32,7 @@ from .streamcall import Watchdog, extract_many
 
 
 def read_opts(args, storage_options: dict, cap: Cap) -> dict:
+    """How a shard is read (the keywords of :func:`~.readers.entries`)."""
     return {"opts": storage_options, "image_column": args.image_column,
             "id_column": args.id_column, "cap": cap, "timeout": args.timeout,
             "max_group_bytes": args.max_in_flight_bytes}
@@ -47,11 +48,13 @@ def output_meta(meta: dict, args) -> dict:
 
 
 def one_line(exc: BaseException) -> str:
+    """An error's first line, as the run reports it."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
 
 def open_output(out: str, meta: dict, opts: dict) -> ShardOutput:
+    """The sharded run's output, its settings checked (or written) and listed once."""
     try:
         output = ShardOutput(out, meta, opts)
         output.open()
@@ -68,8 +71,8 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
               storage_options: dict | None = None, **flags) -> ShardResult:
     """Extract one input shard into `out` (its part, errors file and done marker).
 
-    `shard` is a :class:`~.shard_plan.Shard` from :func:`plan_shards`, or its key: a
-    tar path or URL, a Parquet file (``...#rg=K`` for one row group; give
+    `shard` is a :class:`~.shard_plan.Shard` from :func:`~.shard_plan.plan_shards`, or
+    its key: a tar path or URL, a Parquet file (``...#rg=K`` for one row group; give
     ``image_column=``), or a listing bucket ``<input>#b/B``. `flags` are the
     `hookserve batch` flags with underscores (``reduction="avg"``, ``image_column=``,
     ``model=``, ``retries=``...). A shard whose marker is valid is skipped.
