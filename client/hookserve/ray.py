@@ -25,10 +25,12 @@ bad image does not fail a Ray task: a null cell, a cell that is not image bytes 
 integer, text), a path that is not text, an input over the per-file cap (refused from
 its length or size before it is read or copied; the cap is `max_file_bytes` lowered to
 what the server accepts), a file or URL that cannot be read, and a failure of the whole
-call each give such rows. When the layer's shape is fixed (any preprocessing
-but ``native`` without a reduction) its column is one ``[rows, *shape]`` array, and a
-failed row holds NaN (zeros for ``bfloat16``, which arrives as uint16 bit patterns);
-otherwise the column holds one array per row and ``None`` for failed rows.
+call each give such rows. When every layer's shape is fixed (a fixed input size, or
+under ``native`` or a resize without a crop, reductions that do not follow the image's
+size: ``avg``, ``max``, ``stats``; the shapes come from :func:`hookserve.tables.reduced_shape`)
+each column is one ``[rows, *shape]`` array, and a failed row holds NaN (zeros for
+``bfloat16``, which arrives as uint16 bit patterns); otherwise each column holds one
+array per row and ``None`` for failed rows.
 
 Ray itself is not imported here: install it with ``pip install 'hookserve[ray]'``.
 """
