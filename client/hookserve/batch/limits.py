@@ -9,6 +9,8 @@
   (``--max-in-flight-bytes``). A reader takes an input's size from it before it reads
   the input and gives it back once the input is answered; one input larger than the
   whole budget is read only when nothing else is held.
+- :class:`LastRequest`: an answered input's bytes stay counted while gRPC still holds
+  its request (the last one a stream sent).
 - :func:`check_flags`: every numeric flag's range, checked before anything starts.
 - :func:`return_freed_inputs`: the allocator setting under which the memory bound of
   docs/limits.md holds (inputs' buffers go back to the system once freed).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import errors
@@ -124,6 +127,38 @@ class ByteBudget:
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()
+
+
+class LastRequest:
+    """The input whose request gRPC took last on one stream.
+
+    gRPC keeps the last request it sent until it takes the next one or the stream
+    ends, so an answered input's bytes are still held until then. A stream notes each
+    request it hands on (:meth:`handed`); an answer to the last one keeps its bytes
+    counted (:meth:`answered`) until the next request or the stream's end
+    (:meth:`let_go`), when `release` gets them.
+    """
+
+    def __init__(self, release: Callable[[int], None]) -> None:
+        self.release = release
+        self.key: object = None
+        self.kept = 0
+
+    def handed(self, key: object) -> None:
+        self.let_go()
+        self.key = key
+
+    def answered(self, key: object, nbytes: int) -> bool:
+        """Whether `nbytes` of the answered input `key` stay counted for now."""
+        if self.key is None or key != self.key or self.kept:
+            return False
+        self.kept = nbytes
+        return True
+
+    def let_go(self) -> None:
+        if self.kept:
+            self.release(self.kept)
+            self.kept = 0
 
 
 def return_freed_inputs(threshold: int = 1 << 20) -> bool:

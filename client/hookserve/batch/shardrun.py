@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import __version__, errors
+from .. import __version__, errors, wire
 from .errors import is_final
 from .intake import Intake
-from .limits import ByteBudget
+from .limits import ByteBudget, LastRequest
 from .remote import Location, expand_braces, is_url
 from .scheduler import RETRY_STREAM, backoff, retryable
 from .shards import Shard, entries, is_tar
@@ -257,23 +257,30 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
             retry: list = []
             sent: dict[str, tuple] = {}
             ids: deque[str] = deque()
+            last = LastRequest(intake.release)
 
-            def images(sent=sent, ids=ids):
+            def images(sent=sent, ids=ids, last=last):
                 while True:
                     if todo:
                         pos, iid, data, att = todo.popleft()
                     else:
-                        got = intake.next(may_wait=not sent)
+                        # Wait for budget only before this stream's first image: later,
+                        # end the pass (gRPC lets go of its last request) and wait then.
+                        got = intake.next(may_wait=last.key is None)
                         if got is None:
                             return
-                        pos, iid, data = got
+                        (pos, iid, data), got = got, None
                         att = 0
                         if isinstance(data, errors.HookserveError):  # could not be read
                             done[pos] = (iid, data)
                             continue
+                        # Once encoded, the payload is a view of its request: the read
+                        # buffer is freed, the input held once (retries included).
+                        data = wire.Payload(data)
                     sid = f"{pos}#{att}"  # unique per stream, also for a retry
                     sent[sid] = (pos, iid, data, att)
                     ids.append(sid)
+                    last.handed(sid)
                     yield data
 
             answered = 0
@@ -287,9 +294,11 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
                         retry.append((r.error.retry_after_s or backoff(att + 1),
                                       (pos, iid, data, att + 1)))
                     else:
-                        intake.release(len(data))
+                        if not last.answered(r.id, len(data)):
+                            intake.release(len(data))
                         done[pos] = (iid, r.error if r.error is not None else
-                                     (hashlib.sha256(data).hexdigest(), r.features))
+                                     (hashlib.sha256(data.data).hexdigest(), r.features))
+                    del data  # an answered input is held no longer than its budget
             except errors.HookserveError as exc:
                 failed_passes = 0 if answered else failed_passes + 1
                 if exc.code not in RETRY_STREAM or failed_passes > retries:
@@ -300,8 +309,11 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
                         done[pos] = (iid, exc)
                     else:
                         retry.append((backoff(att + 1), (pos, iid, data, att + 1)))
+                data = None
                 if not retry:
                     time.sleep(backoff(failed_passes))
+            finally:
+                last.let_go()  # the pass's stream is over
             if retry:
                 time.sleep(max(d for d, _ in retry))  # back off before the retry pass
                 todo.extend(item for _, item in sorted(retry, key=lambda x: x[1][0]))
