@@ -11,7 +11,8 @@
   whole budget is read only when nothing else is held.
 - :class:`LastRequest`: an answered input's bytes stay counted while gRPC still holds
   its request (the last one a stream sent).
-- :func:`check_flags`: every numeric flag's range, checked before anything starts.
+- :func:`check_flags`: every numeric flag's range, and --out's format, checked before
+  anything starts.
 - :func:`return_freed_inputs`: the allocator setting under which the memory bound of
   docs/limits.md holds (inputs' buffers go back to the system once freed).
 """
@@ -190,7 +191,12 @@ _RANGES = {
 
 
 def check_flags(args) -> None:
-    """Raise :class:`Abort` (exit code 2, one line) for a flag out of its range."""
+    """Raise :class:`Abort` (exit code 2, one line) for a flag out of its range, or an
+    --out of no known format."""
+    from .sinks import unknown_format
+    why = unknown_format(args.out) if isinstance(getattr(args, "out", None), str) else None
+    if why:
+        raise Abort(why)
     for name, (low, what) in _RANGES.items():
         value = getattr(args, name, None)
         if value is not None and value < low:
