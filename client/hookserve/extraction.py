@@ -98,9 +98,6 @@ class Extraction:
         """The wire bytes of the image's request."""
         return wire.extract_request(obj, wire_id)
 
-    def _image_request(self, p: _Pending) -> Any:
-        return p.image
-
     def _opened(self, call: Any) -> None:
         """A new call of this run has started (a hook for watchers: it can be cancelled)."""
 
@@ -160,7 +157,7 @@ class Extraction:
         sent = 0
         for p in self.pending:  # re-send what the last stream left unanswered
             if p.image is not None:
-                yield SEND, self._image_request(p)
+                yield SEND, p.image
                 sent += 1
         self._reset()
         closed = False
@@ -172,7 +169,7 @@ class Extraction:
                     break
                 self.pending.append(p)
                 if p.image is not None:
-                    yield SEND, self._image_request(p)
+                    yield SEND, p.image
                     sent += 1
             if self.exhausted and not closed:
                 # Half-close once the last image is sent: the server can end the call
