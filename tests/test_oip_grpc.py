@@ -227,3 +227,80 @@ def test_stubs_are_what_the_tool_writes(tmp_path):
     here = root / "service" / "hookserve_server" / "oip"
     for f in sorted(tmp_path.iterdir()):
         assert f.read_bytes() == (here / f.name).read_bytes(), f.name
+
+
+def test_typed_contents(oip_server):
+    """KServe's clients may send typed contents (bytes_contents) instead of raw."""
+    import grpc
+
+    from hookserve_server.oip import grpc_service_pb2 as pb
+    img = encode(IMAGES[0])
+    req = pb.ModelInferRequest(model_name="resnet18")
+    t = req.inputs.add(name="IMAGE", datatype="BYTES", shape=[2])
+    t.contents.bytes_contents.extend([img, img])
+    req.outputs.add(name="layer4").parameters["reduction"].string_param = "avg"
+    with grpc.insecure_channel(oip_server.address) as ch:
+        call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                              request_serializer=pb.ModelInferRequest.SerializeToString,
+                              response_deserializer=pb.ModelInferResponse.FromString)
+        resp = call(req, timeout=120)
+    assert list(resp.outputs[0].shape) == [2, 512] and not resp.outputs[0].contents.ListFields()
+    got = np.frombuffer(resp.raw_output_contents[0], "<f4").reshape(2, 512)
+    want = sdk_features(oip_server, img, "layer4", {"reduction": "avg"})
+    np.testing.assert_array_equal(got[1], want)
+
+
+@pytest.mark.parametrize("method, options", [
+    ("grad_cam", {"layer": "layer4"}),
+    ("gradient", {}),
+])
+def test_attribution_equals_the_sdk(triton, oip_server, method, options):
+    img = encode(IMAGES[1])
+    inp = [image_input([img, img])]
+    target = grpcclient.InferInput("TARGET", [2], "INT64")
+    target.set_data_from_numpy(np.array([3, 7], dtype=np.int64))
+    res = triton.infer(f"resnet18.{method}", [*inp, target], parameters=options)
+    maps, logits = res.as_numpy("map"), res.as_numpy("logits")
+    top5 = res.as_numpy("top5")
+    with hookserve.Client(oip_server.address, timeout=120) as c:
+        for i, cls in enumerate((3, 7)):
+            a = c.attribute(img, options.get("layer"), method=method, target=cls)
+            np.testing.assert_allclose(maps[i], a.map, rtol=1e-4, atol=1e-6)
+            assert logits[i, 0] == pytest.approx(a.logit, rel=1e-5)
+            assert [int(s.decode().split(":")[1]) for s in top5[i]] == [
+                t.index for t in a.top5]
+    # a `target` parameter for every image, and only the map asked for
+    res = triton.infer(f"resnet18.{method}", inp, parameters={**options, "target": 3},
+                       outputs=[grpcclient.InferRequestedOutput("map")])
+    np.testing.assert_allclose(res.as_numpy("map")[0], maps[0], rtol=1e-4, atol=1e-6)
+    assert res.as_numpy("logits") is None
+    with pytest.raises(InferenceServerException) as err:
+        triton.infer("resnet18.grad_cam", inp, parameters={"layer": "layer9"})
+    assert code_of(err.value) == "StatusCode.INVALID_ARGUMENT"
+    assert "unknown layer 'layer9'" in err.value.message()
+
+
+def test_metrics_by_method_and_drain(make_server):
+    import urllib.request
+    s = make_server(*R18, "--metrics-port", "0")
+    c = grpcclient.InferenceServerClient(s.address)
+    c.infer("resnet18", [image_input([encode(IMAGES[0])])])
+    with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics",
+                                timeout=10) as r:
+        text = r.read().decode()
+    assert ('hookserve_requests_total{attribution_method="",code="OK",'
+            'method="ModelInfer",model="resnet18"} 1.0') in text
+    s.server.servicer.start_drain()
+    assert not c.is_server_ready()
+    with pytest.raises(InferenceServerException) as err:
+        c.infer("resnet18", [image_input([encode(IMAGES[0])])])
+    assert code_of(err.value) == "StatusCode.UNAVAILABLE"
+    c.close()
+
+
+def test_oip_package_imports_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, hookserve_server.oip.servicer, hookserve_server.oip.metadata; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
