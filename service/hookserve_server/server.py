@@ -48,6 +48,9 @@ class ServerOptions:
     max_side_streams: int = 16
     #: side streams with no message either way for this long are cancelled (0: never)
     stream_idle_seconds: float = 300.0
+    #: the OIP REST routes' port (None: off); TLS files (cert, key, client CA) for it
+    http_port: int | None = None
+    http_tls_files: tuple[str, str, str | None] | None = None
 
 
 class _TokenAuth(grpc.ServerInterceptor):
@@ -159,6 +162,12 @@ class HookServer:
             Inference(engine, self.servicer, engine.config.max_stream_buffer_bytes),
             self.servicer, ready=lambda: self._serving)
         oip.add_to_server(self.oip, self.grpc)
+        self.http = None
+        if opts.http_port is not None:
+            from .oip.http import OipHttp
+            self.http = OipHttp(self.oip, opts.host, opts.http_port, token=opts.auth_token,
+                                max_body_bytes=opts.max_receive_message_bytes,
+                                tls=opts.http_tls_files)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
@@ -200,6 +209,8 @@ class HookServer:
         self.engine.start()
         if not self._listening:
             self.grpc.start()
+            if self.http is not None:
+                self.http.start()
             self._listening = True
         return self
 
@@ -227,6 +238,8 @@ class HookServer:
         idle = self.servicer.wait_idle(max(0.0, end - time.monotonic()))
         if not idle:
             log.warning("grace period over with streams still open: cancelling them")
+        if self.http is not None:
+            self.http.stop(max(0.1, end - time.monotonic()))
         self.grpc.stop(max(0.0, end - time.monotonic())).wait()
         self.engine.close(timeout=max(0.1, end - time.monotonic()))
         self.stream_caps.close()
