@@ -291,7 +291,10 @@ class OipHttp:
                 "inference_count": c.inferences, "execution_count": c.executions,
                 "inference_stats": {"success": dur(c.success, c.success_ns),
                                     "fail": dur(c.fail, c.fail_ns),
-                                    "compute_infer": dur(c.success, c.success_ns)}}]})
+                                    "queue": dur(c.success, 0),
+                                    "compute_input": dur(c.success, 0),
+                                    "compute_infer": dur(c.success, c.success_ns),
+                                    "compute_output": dur(c.success, 0)}}]})
         return await self._guarded(request, stats)
 
     async def _infer(self, request):
