@@ -58,10 +58,7 @@ def _float(value, what: str) -> float:
 
 def spec_of(call: rq.InferCall, model: str, method: Method) -> AttributionSpec:
     p = call.params
-    unknown = sorted(set(p) - set(PARAMETERS))
-    if unknown:
-        raise InvalidArgument(f"unknown request parameter {unknown[0][:100]!r} for an "
-                              f"attribution: use {', '.join(PARAMETERS)}")
+    rq.check_params(p, PARAMETERS, " for an attribution")
     num = {k: rq.as_int(p[k], k) for k in ("top_k", "ig_steps", "sg_samples", "sg_seed")
            if k in p}
     flags = {k: rq._bool(p[k], k) for k in ("relu", "normalize", "upsample") if k in p}
@@ -111,8 +108,6 @@ def attribute(inf: Inference, call: rq.InferCall, model: str, method_name: str,
                               f"use {', '.join(OUTPUTS)}")
     tensor = rq.image_input(call)
     images = rq.images(tensor)
-    if not images:
-        raise InvalidArgument(f"{tensor.name} holds no image: send at least one")
     per_target = targets(call, len(images))
     images = [AttributeInput(i.id, i.encoded, i.raw, i.height, i.width, target=t)
               for i, t in zip(images, per_target, strict=True)]

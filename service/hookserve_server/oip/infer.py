@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import HookserveError, InvalidArgument, ModelNotFound, ResourceExhausted
+from ..errors import HookserveError, ModelNotFound, ResourceExhausted
 from ..spec import DType, ExtractionSpec, ImageResult
 from . import request as rq
 from .attribution import attribute, check_method
@@ -93,12 +93,13 @@ class Inference:
         `slot`: count the call in --max-streams (a stream's requests share its own)."""
         stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
         t0 = time.perf_counter_ns()
-        ok = False
+        ok = known = False
         try:
             with self.servicer._observed(method, context, stats), \
                     (self.servicer._stream_slot(method) if slot else _no_slot()):
                 self.check_version(call.version)
                 base, attribution = self.model_names(call.model)
+                known = True  # counted from here: names from the network are not kept
                 stats["model"] = self.servicer._model_label(base)
                 if attribution:
                     answer = attribute(self, call, base, attribution, stats, on_cancel,
@@ -108,7 +109,9 @@ class Inference:
                 ok = True
                 return answer
         finally:
-            self.counts.record(call.model, stats["images"], ok, time.perf_counter_ns() - t0)
+            if known:
+                self.counts.record(call.model, stats["images"], ok,
+                                   time.perf_counter_ns() - t0)
 
     def results(self, spec, images, stats: dict, on_cancel, deadline, input_name: str
                 ) -> list[ImageResult]:
@@ -149,14 +152,9 @@ class Inference:
         layers = rq.layer_specs(plans)
         stats["layers"] = [layer.name[:100] for layer in layers[:32]]
         spec = ExtractionSpec(model, layers, rq.preprocess(call.params))
-        unknown = sorted(set(call.params) - set(rq.GEOMETRY_PARAMETERS))
-        if unknown:
-            raise InvalidArgument(f"unknown request parameter {unknown[0][:100]!r}: use "
-                                  f"{', '.join(rq.GEOMETRY_PARAMETERS)}")
+        rq.check_params(call.params, rq.GEOMETRY_PARAMETERS)
         tensor = rq.image_input(call)
         images = rq.images(tensor)
-        if not images:
-            raise InvalidArgument(f"{tensor.name} holds no image: send at least one")
         results = self.results(spec, images, stats, on_cancel, deadline, tensor.name)
         outputs = []
         for plan in plans:

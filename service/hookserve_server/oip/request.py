@@ -144,8 +144,22 @@ def image_input(call: InferCall) -> InTensor:
     return images[0]
 
 
+def check_params(params: dict, allowed: tuple[str, ...], what: str = "") -> None:
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise InvalidArgument(f"unknown request parameter {unknown[0][:100]!r}{what}: use "
+                              f"{', '.join(allowed)}")
+
+
 def images(t: InTensor) -> list[ImageInput]:
-    """An IMAGE or INPUT__0 tensor as one ImageInput per image."""
+    """An IMAGE or INPUT__0 tensor as one ImageInput per image (at least one)."""
+    out = _images(t)
+    if not out:
+        raise InvalidArgument(f"{t.name} holds no image: send at least one")
+    return out
+
+
+def _images(t: InTensor) -> list[ImageInput]:
     if t.name == IMAGE:
         if t.datatype != "BYTES":
             raise InvalidArgument(f"{IMAGE} is BYTES (encoded images), not {t.datatype}")
