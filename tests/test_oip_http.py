@@ -137,3 +137,36 @@ def test_token_and_body_limit(tmp_path):
         c.close()
     finally:
         s.stop(2.0)
+
+
+def test_hookserve_serve_process_with_both_front_doors():
+    """A real `hookserve serve --http-port 0`: tritonclient over gRPC and REST, then
+    SIGTERM drains and the process exits 0."""
+    import queue
+    import signal
+
+    import tritonclient.grpc as grpcclient
+    from test_faults import ServeProcess
+    proc = ServeProcess("--model", "resnet18", "--weights", "random", "--seed", "0",
+                        "--http-port", "0")
+    try:
+        line = ""
+        while "REST routes on" not in line:
+            try:
+                line = json.loads(proc.lines.get(timeout=30))["msg"]
+            except queue.Empty:
+                raise AssertionError("".join(proc.log[-20:])) from None
+        http_port = int(line.split("REST routes on ")[1].split(" ")[0].rsplit(":", 1)[1])
+        g = grpcclient.InferenceServerClient(proc.address)
+        inp = grpcclient.InferInput("IMAGE", [1], "BYTES")
+        inp.set_data_from_numpy(np.array(IMAGES[:1], dtype=np.object_))
+        via_grpc = g.infer("resnet18", [inp]).as_numpy("fc")
+        h = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+        via_rest = h.infer("resnet18", [image_input(IMAGES[:1])]).as_numpy("fc")
+        np.testing.assert_array_equal(via_grpc, via_rest)
+        h.close()
+        g.close()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(60) == 0
+    finally:
+        proc.kill()
