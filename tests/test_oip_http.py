@@ -83,6 +83,22 @@ def test_infer_binary_equals_the_sdk(rest, http_server):
     assert top.as_numpy("fc").shape == (1, 5)
 
 
+def test_json_pixels_and_json_outputs(rest, http_server):
+    """INPUT__0 as JSON integers, the answer as JSON numbers (no binary data)."""
+    pixels = np.stack([rand_image(32, 32, seed=s) for s in (5, 6)])
+    t = httpclient.InferInput("INPUT__0", list(pixels.shape), "UINT8")
+    t.set_data_from_numpy(pixels, binary_data=False)
+    res = rest.infer("resnet18", [t], outputs=[
+        output("layer4", reduction="avg", binary_data=False),
+        httpclient.InferRequestedOutput("fc", binary_data=False, class_count=3)])
+    got = res.as_numpy("layer4")
+    for i in range(2):
+        np.testing.assert_allclose(got[i], sdk(http_server, pixels[i], "layer4",
+                                               reduction="avg"), rtol=1e-6)
+    assert res.as_numpy("fc").shape == (2, 3)
+    assert res.get_output("layer4")["data"]  # sent as JSON
+
+
 def test_errors(rest):
     with pytest.raises(InferenceServerException) as err:
         rest.infer("resnet18", [image_input([IMAGES[0], b"junk"])])
