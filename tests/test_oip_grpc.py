@@ -290,7 +290,16 @@ def test_metrics_by_method_and_drain(make_server):
         text = r.read().decode()
     assert ('hookserve_requests_total{attribution_method="",code="OK",'
             'method="ModelInfer",model="resnet18"} 1.0') in text
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    c.start_stream(callback=lambda result, error: answers.put((result, error)))
+    c.async_stream_infer("resnet18", [image_input([encode(IMAGES[0])])])
+    assert answers.get(timeout=120)[1] is None
     s.server.servicer.start_drain()
+    # an open stream: its next request is refused, and the stream ends
+    c.async_stream_infer("resnet18", [image_input([encode(IMAGES[0])])])
+    result, error = answers.get(timeout=120)
+    assert result is None and "[UNAVAILABLE] server is shutting down" in error.message()
+    c.stop_stream()
     assert not c.is_server_ready()
     with pytest.raises(InferenceServerException) as err:
         c.infer("resnet18", [image_input([encode(IMAGES[0])])])

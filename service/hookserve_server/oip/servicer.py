@@ -218,6 +218,9 @@ class OipServicer:
         context.add_callback(cancel)
         with self.servicer._stream_slot("ModelStreamInfer"):
             for n, raw in enumerate(_requests(request_iterator)):
+                if self.engine.draining:
+                    yield _DRAINING
+                    return
                 try:
                     call = to_call(wire.parse(pb.ModelInferRequest, raw,
                                               f"request message {n}"))
@@ -228,11 +231,13 @@ class OipServicer:
                 except HookserveError as exc:
                     yield pb.ModelStreamInferResponse(
                         error_message=short_message(f"[{exc.code}] {exc.message}"))
-                if self.engine.draining:
-                    yield pb.ModelStreamInferResponse(error_message=short_message(
-                        "[UNAVAILABLE] server is shutting down: send the rest to another "
-                        "replica"))
+                if self.engine.draining:  # answered what was in flight: end here
+                    yield _DRAINING
                     return
+
+
+_DRAINING = pb.ModelStreamInferResponse(
+    error_message="[UNAVAILABLE] server is shutting down: send the rest to another replica")
 
 
 def _requests(request_iterator):
