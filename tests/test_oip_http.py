@@ -186,3 +186,24 @@ def test_hookserve_serve_process_with_both_front_doors():
         assert proc.proc.wait(60) == 0
     finally:
         proc.kill()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+def test_rest_over_tls(tmp_path):
+    """--tls-cert/--tls-key cover the REST routes too: curl trusting the CA gets an
+    answer; plaintext gets none."""
+    from certs import CA
+    ca = CA("server", tmp_path)
+    cert = ca.issue("hookserve-server", server=True)
+    s = RunningServer([*R18, "--tls-cert", str(cert.cert_path),
+                       "--tls-key", str(cert.key_path)])
+    try:
+        port = s.server.http.port
+        code, body = curl("--cacert", str(ca.path), f"https://127.0.0.1:{port}/v2/health/live")
+        assert (code, json.loads(body)) == (200, {"live": True})
+        out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                              f"http://127.0.0.1:{port}/v2/health/live"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout != "200"
+    finally:
+        s.stop(2.0)
