@@ -18,25 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from . import errors
+from . import errors, wire
 from .endpoints import Endpoints
 from .extraction import Extraction, _Pending
+from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
 from .types import Size, build_preprocessing, parse_side, parse_size
 from .v1 import hookserve_pb2 as pb
 
-#: Method name -> wire enum. The CAM methods explain a layer; the others the input.
-METHODS = {
-    "grad_cam": pb.ATTRIBUTION_METHOD_GRAD_CAM,
-    "hires_cam": pb.ATTRIBUTION_METHOD_HIRES_CAM,
-    "layer_cam": pb.ATTRIBUTION_METHOD_LAYER_CAM,
-    "gradient": pb.ATTRIBUTION_METHOD_GRADIENT,
-    "gradient_x_input": pb.ATTRIBUTION_METHOD_GRADIENT_X_INPUT,
-    "integrated_gradients": pb.ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS,
-    "smooth_grad": pb.ATTRIBUTION_METHOD_SMOOTH_GRAD,
-}
-CAM_METHODS = ("grad_cam", "hires_cam", "layer_cam")
-SCORES = {"logit": pb.ATTRIBUTION_SCORE_LOGIT, "softmax": pb.ATTRIBUTION_SCORE_SOFTMAX}
-BASELINES = {"zeros": pb.ATTRIBUTION_BASELINE_ZEROS, "black": pb.ATTRIBUTION_BASELINE_BLACK}
 #: The layer a CAM method explains when none is given: sent empty, the server picks the
 #: model's default (`ModelInfo.default_cam_layer`: resnet "layer4", vgg its last
 #: convolution, vit the last block's "ln_1").
@@ -110,6 +98,9 @@ class Attribution:
     geometry: Geometry | None = None
     #: The typed error when this image failed; the iteration goes on regardless.
     error: errors.HookserveError | None = None
+    #: The server answered from its answer cache (the same image bytes, weights, spec
+    #: and target were answered before) rather than computing the map for this image.
+    cached: bool = False
 
     @property
     def ok(self) -> bool:
@@ -224,28 +215,24 @@ class AttributionRun(Extraction):
         #: True when `geometry` needs the model's default preprocessing (ListModels)
         self.default_geometry = False
 
-    def admit(self, obj: Any) -> _Pending:
-        p = super().admit(obj)
-        if self.targets is not None:
-            missing = object()
-            t = next(self.targets, missing)
-            if t is missing:
-                raise ValueError(
-                    f"targets has fewer items than images (ran out at image {p.index})")
-            if t is not None and (isinstance(t, bool) or int(t) != t):
-                raise ValueError(f"target of image {p.index} must be a class index or None, "
-                                 f"got {t!r}")
-            p.extra = None if t is None else int(t)
-        return p
+    def _extra(self, index: int) -> int | None:
+        """Image `index`'s target: a class index, or None."""
+        if self.targets is None:
+            return None
+        missing = object()
+        t = next(self.targets, missing)
+        if t is missing:
+            raise ValueError(f"targets has fewer items than images (ran out at image {index})")
+        if t is not None and (isinstance(t, bool) or int(t) != t):
+            raise ValueError(f"target of image {index} must be a class index or None, "
+                             f"got {t!r}")
+        return None if t is None else int(t)
+
+    def _encode(self, obj: Any, wire_id: str, extra: int | None) -> bytes:
+        return wire.attribute_request(obj, wire_id, extra)
 
     def _spec_request(self) -> Any:
         return pb.AttributeRequest(spec=self.spec)
-
-    def _image_request(self, p: _Pending) -> Any:
-        image = pb.AttributeImage(image=p.image)
-        if p.extra is not None:
-            image.target_class = p.extra
-        return pb.AttributeRequest(image=image)
 
     def _reset(self) -> None:
         super()._reset()
@@ -273,4 +260,5 @@ class AttributionRun(Extraction):
                              if t.HasField("completeness_delta") else None)
                    for t in s.targets]
         return Attribution(p.index, p.id, map=amap, targets=targets,
-                           top5=[_score(c) for c in s.top5], geometry=self.geometry())
+                           top5=[_score(c) for c in s.top5], geometry=self.geometry(),
+                           cached=bool(self._got.cached))

@@ -1,7 +1,7 @@
 """The SDK's value types (Layer, Result, ModelInfo, ...) and their wire forms.
 
-The reduction and dtype names are listed once here (:data:`REDUCTIONS`) and in
-:mod:`.tensors` (:data:`~.tensors.DTYPE_NAMES`); the CLI's choices come from them.
+The reduction and dtype names come from :mod:`.tables` (derived from the proto enums),
+as the CLI's choices do.
 """
 
 from __future__ import annotations
@@ -13,28 +13,19 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .tensors import DTYPE_NAMES
+from .tables import DTYPE_FROM_WIRE, DTYPES, REDUCTIONS, split_port
 from .v1 import hookserve_pb2 as pb
 
 #: A size as the SDK and the CLI take it: "480x640" (HxW), "224" or 224 (a square), (h, w).
 Size = int | str | tuple[int, int]
-
-#: Reduction name -> wire enum, in the order the CLI lists them.
-REDUCTIONS = {
-    "none": pb.REDUCTION_NONE, "avg": pb.REDUCTION_AVG_POOL, "max": pb.REDUCTION_MAX_POOL,
-    "flatten": pb.REDUCTION_FLATTEN, "stats": pb.REDUCTION_STATS, "cls": pb.REDUCTION_CLS,
-}
-#: Columns of a "stats" result ``[C, 5]`` (the server also names them on the wire).
-STATS_COLUMNS = ("mean", "std", "min", "max", "zero_fraction")
-DTYPE_FROM_WIRE = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
 class Layer:
     """A requested layer with its reduction (none|avg|max|flatten|stats|cls), dtype and
     L2 option. "stats" gives float32 ``[C, 5]`` per channel (``[1, 5]`` for a vector):
-    :data:`STATS_COLUMNS`; avg, max and stats keep the channels whatever the layer's
-    layout (``LayerInfo.layout``); "cls" is token 0 of a ``TD`` (ViT) layer."""
+    :data:`~.tables.STATS_COLUMNS`; avg, max and stats keep the channels whatever the
+    layer's layout (``LayerInfo.layout``); "cls" is token 0 of a ``TD`` (ViT) layer."""
 
     name: str
     reduction: str = "none"
@@ -45,10 +36,10 @@ class Layer:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, "
                              f"got {self.reduction!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         return pb.LayerRequest(name=self.name, reduction=REDUCTIONS[self.reduction],
-                               dtype=DTYPE_NAMES[self.dtype], l2_normalize=self.l2_normalize)
+                               dtype=DTYPES[self.dtype], l2_normalize=self.l2_normalize)
 
 
 @dataclass
@@ -66,12 +57,20 @@ class Result:
     #: The typed error when this image failed; the iteration goes on regardless.
     error: errors.HookserveError | None = None
     #: Layer name -> names along its last dimension, for layers whose entries have
-    #: names (reduction "stats": :data:`STATS_COLUMNS`).
+    #: names (reduction "stats": :data:`~.tables.STATS_COLUMNS`).
     columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The layers the server answered from its answer cache (the same image bytes,
+    #: weights and spec were answered before) rather than computed for this image.
+    cached: frozenset[str] = frozenset()
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def from_cache(self) -> bool:
+        """Every layer of the answer came from the server's cache."""
+        return bool(self.features) and self.cached >= set(self.features)
 
     def raise_for_error(self) -> dict[str, np.ndarray]:
         if self.error is not None:
@@ -164,10 +163,15 @@ class ModelDescription:
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The tensor shape a layer request `name` returns before any reduction:
         the output's, or for ``"<layer>:input"`` that module's input's."""
-        base, _, port = name.rpartition(":")
-        if port == "input":
-            return self.layer(base).input_shape
-        return self.layer(name).shape
+        module, is_input = split_port(name)
+        return self.layer(module).input_shape if is_input else self.layer(module).shape
+
+    def layout_of(self, name: str) -> str:
+        """The layout ("CHW", "HWC", "TD", "D"; "" when not reported) of what a layer
+        request `name` returns before any reduction."""
+        module, is_input = split_port(name)
+        li = self.layer(module)
+        return li.input_layout if is_input else li.layout
 
     @classmethod
     def from_proto(cls, r: pb.DescribeModelResponse) -> ModelDescription:

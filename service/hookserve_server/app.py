@@ -17,6 +17,9 @@ import threading
 import torch
 
 from .architectures import is_timm
+from .cache.front import AnswerCache
+from .cache.local import LocalCache
+from .cache.shared import SharedCache
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
 from .labels import model_labels
@@ -70,7 +73,9 @@ def check(args: argparse.Namespace, pre: Checked | None = None):
         max_receive_message_bytes=args.max_message_bytes, chunk_bytes=args.chunk_bytes,
         tls_cert=pre.tls_cert, tls_key=pre.tls_key, tls_client_ca=pre.tls_client_ca,
         auth_token=pre.auth_token, max_side_streams=args.max_side_streams,
-        stream_idle_seconds=args.stream_idle_seconds)
+        stream_idle_seconds=args.stream_idle_seconds, http_port=args.http_port,
+        http_tls_files=(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.tls_cert else None)
     return pre.names, weights, device, options
 
 
@@ -108,8 +113,20 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
         max_input_side=args.max_input_side, preprocess_workers=args.preprocess_workers,
         gpu_decode=args.gpu_decode, max_attribution_cost=args.max_attribution_cost,
         attribution_pass_cost=args.attribution_pass_cost)
-    engine = Engine(models, cfg, telemetry)
+    engine = Engine(models, cfg, telemetry, cache=build_cache(args, telemetry))
     return engine, create_server(engine, options), telemetry
+
+
+def build_cache(args: argparse.Namespace, telemetry) -> AnswerCache | None:
+    """The answer cache the flags ask for, or None."""
+    if not args.cache_bytes and not args.cache_url:
+        return None
+    shared = None
+    if args.cache_url:
+        shared = SharedCache(args.cache_url, args.cache_ttl_seconds,
+                             args.cache_max_value_bytes, args.cache_timeout_ms / 1000.0,
+                             telemetry)
+    return AnswerCache(LocalCache(args.cache_bytes, telemetry), shared, telemetry)
 
 
 def start_metrics(telemetry, args: argparse.Namespace) -> tuple[str, int]:
@@ -153,6 +170,9 @@ def start(args: argparse.Namespace, pre: Checked | None = None,
         log.warning("%s", warning)
     log.info("hookserve listening on %s:%d (models: %s; health SERVING)", server.opts.host,
              server.port, ", ".join(engine.models))
+    if server.http is not None:
+        log.info("Open Inference Protocol REST routes on %s:%d (/v2)", server.opts.host,
+                 server.http.port)
     return server
 
 
