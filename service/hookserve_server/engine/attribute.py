@@ -21,8 +21,8 @@ import torch
 
 from ..attribution_spec import AttributeInput, AttributionOutput, AttributionSpec, Method
 from ..capture.attribute import AttributionJob, ImageAttribution, PassPlan
-from ..capture.gradients import Tap, graph_bytes
 from ..capture.table import LayerInfo, entry, split_input_name
+from ..capture.tap import Tap, graph_bytes
 from ..errors import InvalidArgument, ResourceExhausted
 from ..models import ServedModel
 from ..preprocess.geometry import fixed_input_size, validate_preprocess
@@ -185,7 +185,7 @@ def attribution_memory(m: ServedModel, h: int, w: int, layer: str | None,
     """The memory of an Attribute image of `m` at input HxW (`layer` None: the
     input-space methods).
 
-    Per row: what autograd saves for the backward pass (`capture.gradients.graph_bytes`,
+    Per row: what autograd saves for the backward pass (`capture.tap.graph_bytes`,
     counted on the meta device), the largest gradient in flight (two while the graph is
     kept for the next target's backward), the
     differentiated tensor as leaf, clone and gradient, its float32 temporaries (a CAM

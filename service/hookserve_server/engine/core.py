@@ -20,6 +20,7 @@ import time
 import weakref
 from concurrent.futures import Future
 
+from ..allocator import MemoryReturn
 from ..attribution_spec import AttributionSpec
 from ..capture.table import INPUT_SUFFIX, LayerInfo
 from ..errors import InvalidArgument, ModelNotFound
@@ -31,7 +32,6 @@ from .admission import Admission
 from .attribute import gradient_bytes, resolve_attribution
 from .budget import Budget
 from .limits import Limits
-from .memory import MemoryReturn
 from .prepare import ImagePlan, Preparer
 from .session import Session
 from .types import CallState, EngineConfig, ResolvedSpec
