@@ -85,16 +85,16 @@ def _module_name(f: Path) -> str:
 
 
 def _module_imports(f: Path) -> set[str]:
-    """hookserve_server modules `f` imports when it is imported (not under
-    TYPE_CHECKING, not inside functions)."""
+    """hookserve_server modules `f` imports at its top level, those under TYPE_CHECKING
+    included (a type-only import is still an edge of the design), not inside
+    functions."""
     pkg = _module_name(f) if f.name == "__init__.py" else _module_name(f).rpartition(".")[0]
     out: set[str] = set()
 
     def visit(stmts):
         for node in stmts:
             if isinstance(node, ast.If):
-                if "TYPE_CHECKING" not in ast.unparse(node.test):
-                    visit(node.body)
+                visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
                 visit(node.body)
