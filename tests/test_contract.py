@@ -152,7 +152,7 @@ def test_engine_and_capture_import_no_grpc_and_servicer_no_torch():
     for pkg in ("engine", "capture", "preprocess"):
         for f in (SERVER / pkg).glob("*.py"):
             assert not {"grpc", "grpc_health", "google", "hookserve"} & _source_imports(f), f
-    for name in ("servicer.py", "wire.py", "spec.py", "telemetry.py"):
+    for name in ("servicer.py", "calls.py", "wire.py", "spec.py", "telemetry.py"):
         assert not {"torch", "torchvision"} & _source_imports(SERVER / name), name
     # Transitively too, each in a fresh interpreter.
     torch_free = ("import sys, hookserve_server.servicer, hookserve_server.wire; "

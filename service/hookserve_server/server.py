@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from hookserve.v1 import hookserve_pb2 as pb
 
 from .allocator import keep_large_buffers_on_heap
+from .calls import Calls
 from .engine import Engine
 from .preflight import MAX_SEND_MESSAGE_BYTES
 from .servicer import Servicer
@@ -118,16 +119,17 @@ class HookServer:
         self.engine = engine
         self.opts = opts
         keep_large_buffers_on_heap()  # streamed chunks: see allocator.py
-        self.servicer = Servicer(engine, engine.telemetry, chunk_bytes=opts.chunk_bytes,
-                                 max_streams=opts.max_streams,
+        self.stream_caps = StreamCaps(opts.max_side_streams, opts.stream_idle_seconds,
+                                      opts.max_streams, lambda: engine.draining)
+        calls = Calls(engine.telemetry, engine.models, engine.default_model)
+        self.servicer = Servicer(engine, calls, self.stream_caps, chunk_bytes=opts.chunk_bytes,
                                  max_message_bytes=opts.max_receive_message_bytes)
-        self.stream_caps = StreamCaps(opts.max_side_streams, opts.stream_idle_seconds)
         interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []
         interceptors.append(self.stream_caps)
-        # Each open stream holds a thread. The servicer refuses Extract streams beyond
-        # max_streams, the stream caps other streaming methods beyond max_side_streams
-        # each, so the spare threads always serve health checks and unary calls: a
-        # server full of open streams still answers its liveness probe.
+        # Each open stream holds a thread. The stream caps refuse work calls beyond
+        # max_streams and other streaming methods beyond max_side_streams each, so the
+        # spare threads always serve health checks and unary calls: a server full of
+        # open streams still answers its liveness probe.
         # maximum_concurrent_rpcs is only a backstop against a flood of unary calls.
         workers = (opts.max_streams + opts.max_side_streams * len(SIDE_STREAMS)
                    + UNARY_HEADROOM)
@@ -206,8 +208,8 @@ class HookServer:
             return
         end = time.monotonic() + grace
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer.start_drain()
-        idle = self.servicer.wait_idle(max(0.0, end - time.monotonic()))
+        self.stream_caps.start_drain(self.engine.start_drain)
+        idle = self.stream_caps.wait_idle(max(0.0, end - time.monotonic()))
         if not idle:
             log.warning("grace period over with streams still open: cancelling them")
         self.grpc.stop(max(0.0, end - time.monotonic())).wait()
