@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attribution_spec import AttributeInput, AttributionOutput, AttributionSpec, Method
+from ..attribution_spec import (
+    METHODS,
+    AttributeInput,
+    AttributionOutput,
+    AttributionSpec,
+    Method,
+)
 from ..capture.attribute import AttributionJob, ImageAttribution
 from ..capture.forward import stack_inputs
 from ..capture.table import LayerInfo, entry, split_input_name
@@ -111,7 +117,7 @@ def resolve_attribution(limits: Limits, config: EngineConfig, m: ServedModel,
     elif spec.layer:
         raise InvalidArgument(
             f"method {method.label} explains the input and takes no layer: leave layer "
-            f"empty (got {spec.layer[:100]!r}), or use grad_cam, hires_cam or layer_cam")
+            f"empty (got {spec.layer[:100]!r}), or use {_cam_methods()}")
     if not 1 <= spec.targets_per_image <= num_classes:
         raise InvalidArgument(f"top_k={spec.top_k} is over the {num_classes} classes of "
                               f"{m.name}")
@@ -125,7 +131,7 @@ def resolve_attribution(limits: Limits, config: EngineConfig, m: ServedModel,
     if spec.cost > max_cost:
         raise InvalidArgument(
             f"this spec costs {spec.cost} forward-equivalents per image ({method.label}: "
-            f"{_cost_text(spec)}), over this server's --max-attribution-cost of {max_cost}: "
+            f"{spec.cost_text()}), over this server's --max-attribution-cost of {max_cost}: "
             f"{_cost_fix(spec)}")
     validate_preprocess(spec.preprocessing)
     limits.preprocess(spec.preprocessing)
@@ -138,25 +144,20 @@ def resolve_attribution(limits: Limits, config: EngineConfig, m: ServedModel,
                         activation_bytes=activation)
 
 
-def _cost_text(spec: AttributionSpec) -> str:
-    """How a spec's cost adds up, in the SDK's parameter names."""
-    k = spec.targets_per_image
-    per_point = f"(1 + 2 x {k} target{'s' if k > 1 else ''})"
-    if spec.method is Method.INTEGRATED_GRADIENTS:
-        return f"steps={spec.ig_steps} gives {spec.passes} points x {per_point}"
-    if spec.method is Method.SMOOTH_GRAD:
-        return f"samples={spec.sg_samples} x {per_point} + 1"
-    return f"1 pass x {per_point}"
-
-
 def _cost_fix(spec: AttributionSpec) -> str:
-    knobs = {Method.INTEGRATED_GRADIENTS: "fewer steps", Method.SMOOTH_GRAD: "fewer samples"}
-    fix = [knobs[spec.method]] if spec.method in knobs else []
+    knob = METHODS[spec.method].knob
+    fix = [f"fewer {knob}"] if knob else []
     if spec.top_k > 1:
         fix.append("a smaller top_k")
     if not fix:
         return "this method costs that much at one target (raise the flag to allow it)"
     return "use " + " or ".join(fix)
+
+
+def _cam_methods() -> str:
+    """"grad_cam, hires_cam or layer_cam"."""
+    *rest, last = [m.label for m in Method if m.is_cam]
+    return f"{', '.join(rest)} or {last}"
 
 
 def _last_conv_like(table: dict[str, LayerInfo]) -> str:
