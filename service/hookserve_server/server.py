@@ -43,7 +43,8 @@ class ServerOptions:
     tls_key: bytes | None = None
     tls_client_ca: bytes | None = None
     auth_token: str | None = None
-    #: open calls of each streaming method other than Extract (health Watch, reflection)
+    #: open calls of each streaming method other than the work calls (health Watch,
+    #: reflection)
     max_side_streams: int = 16
     #: side streams with no message either way for this long are cancelled (0: never)
     stream_idle_seconds: float = 300.0

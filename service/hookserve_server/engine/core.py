@@ -4,10 +4,11 @@ the device workers. It never imports grpc.
 
 Data flow for one image::
 
-    Session reader thread --resolve, plan (header: sizes, limits), reserve answer
-        bytes (budget), admit--> Preparer pool (decode, geometry)
-        --> BatchQueue of the model's device --> DeviceWorker thread (stacks a batch,
-        normalises on the device, forward pass with hooks, early stop)
+    Session reader thread (ExtractImage: the handler thread) --resolve, plan (header:
+        sizes, limits), reserve answer bytes (budget), admit--> Preparer pool (decode,
+        geometry) --> BatchQueue of the model's device --> DeviceWorker thread: the
+        image's job runs the batch (Extract: stack, normalise on the device, forward
+        pass with hooks, early stop; Attribute: pass by pass)
         --> completer thread --> Future per image --> Session output, in send order.
 """
 

@@ -3,10 +3,11 @@
 Runs on the preprocessing pool (--preprocess-workers threads). Decoding is on the
 CPU (preprocess/decode.py) or, with --gpu-decode, on the model's device
 (preprocess/gpu_decode.py); geometry follows (preprocess/geometry.py). Before that,
-on the stream's reader thread, `plan` reads the header and checks every size the image
-will go through (engine/limits.py) and its answer and activation bytes (`Job.sizes`:
-engine/limits.py for Extract, engine/attribute.py for Attribute), so nothing is
-decoded or resized that the limits would refuse. The result is a WorkItem on the
+on the call's reader thread (ExtractImage: its handler thread), `plan` reads the
+header and checks every size the image will go through (engine/limits.py) and its
+answer and activation bytes (`Job.sizes`: engine/limits.py for Extract,
+engine/attribute.py for Attribute), so nothing is decoded or resized that the limits
+would refuse. The result is a WorkItem on the
 device's BatchQueue.
 """
 
@@ -89,7 +90,7 @@ class Preparer:
     def plan(self, spec: ResolvedSpec, image: ImageInput) -> ImagePlan:
         """Every size and byte count of one image, from its header alone, checked
         against the limits (raises InvalidArgument / ResourceExhausted). Cheap: it runs
-        on the stream's reader thread, before the image is admitted."""
+        on the call's reader thread, before the image is admitted."""
         m = spec.model
         h, w = read_header(image, self.config.max_image_pixels)
         g = plan_geometry(spec.preprocess, m.defaults.resize, m.defaults.crop, h, w)
