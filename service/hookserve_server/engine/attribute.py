@@ -29,6 +29,7 @@ from ..attribution_spec import (
     AttributionSpec,
     Method,
 )
+from ..cache import key as cache_key
 from ..capture.attribute import AttributionJob, ImageAttribution
 from ..capture.forward import stack_inputs
 from ..capture.table import LayerInfo, entry, split_input_name
@@ -86,6 +87,12 @@ class AttributeJob:
 
     def batch_key(self, call: CallState) -> Hashable:
         return (self.spec, call)
+
+    def cache_keys(self, state, image: ImageInput) -> list[bytes]:
+        return [cache_key.attribution_key(state, self.spec, self.target_of(image))]
+
+    def only(self, units: list[int]) -> AttributeJob:
+        return self  # one unit: the image's answer
 
     def run_batch(self, device: Device, items: list[WorkItem]) -> None:
         """Start the batch's run; its passes come in turn (`AttributeRun.step`)."""

@@ -16,6 +16,7 @@ from collections.abc import Hashable
 
 import torch
 
+from ..cache import key as cache_key
 from ..capture.forward import capture, stack_inputs, to_host
 from ..capture.plan import CapturePlan
 from ..capture.reduce import DTYPE_OF_TORCH, REDUCTIONS
@@ -48,6 +49,12 @@ class ExtractJob:
 
     def batch_key(self, call: CallState) -> Hashable:
         return ExtractJob  # any spec and any call: the batch's layers are their union
+
+    def cache_keys(self, state, image: ImageInput) -> list[bytes]:
+        return [cache_key.layer_key(state, layer) for layer in self.layers]
+
+    def only(self, units: list[int]) -> ExtractJob:
+        return ExtractJob(self.limits, self.model, tuple(self.layers[i] for i in units))
 
     def run_batch(self, device: Device, items: list[WorkItem]) -> None:
         try:

@@ -49,6 +49,13 @@ class Job(Protocol):
         """Run one batch on the model's thread; every image gets its answer or error,
         here, on the completer (`Device.complete`), or pass by pass (`Device.resume`)."""
 
+    def cache_keys(self, state: Any, image: ImageInput) -> list[bytes]:
+        """One answer-cache key per unit of an image's answer, in the answer's order,
+        continuing `state` (cache/key.py `base`: the image, model and preprocessing)."""
+
+    def only(self, units: list[int]) -> Job:
+        """This job for some units of its answer (the cache computes what it misses)."""
+
 
 class Running(Protocol):
     """A batch that runs a pass at a time between other work (Attribute)."""
