@@ -143,7 +143,7 @@ class WorkItem:
     target: int | None = None
 
     @property
-    def key(self):
+    def key(self) -> tuple:
         """Images with the same key can share a batch."""
         return (self.model.name, self.pixels.shape[1], self.pixels.shape[2],
                 self.job.batch_key(self.call))
