@@ -173,7 +173,7 @@ class Engine:
 
     @property
     def attribution_jobs(self) -> tuple[int, int]:
-        """Attribute jobs (batches) started so far, and those running now."""
+        """Attribute batches (`AttributeRun`s) started so far, and those running now."""
         return (sum(w.jobs_started for w in self._workers.values()),
                 sum(w.jobs for w in self._workers.values()))
 

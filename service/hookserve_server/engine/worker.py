@@ -148,7 +148,7 @@ class DeviceWorker:
                 try:
                     over = run.step(self)
                 except Exception:
-                    log.exception("device worker failed on an attribution pass")
+                    log.exception("device worker failed on a pass of a running batch")
                     for it in run.items:
                         it.fail(InternalError("internal error while running the model"))
                     over = True
