@@ -271,7 +271,7 @@ def test_cancelling_the_iterator_cancels_the_call(make_server, how):
                 with pytest.raises(asyncio.CancelledError):
                     await task
             await until(lambda: calls(s, "CANCELLED") == 1, what="the call to be cancelled")
-            await until(lambda: s.server.servicer.open_streams == 0, what="no open stream")
+            await until(lambda: s.server.stream_caps.work_streams == 0, what="no open stream")
             await until(lambda: s.engine.queued == 0, what="queued images dropped")
             # The window bounds what was sent: nothing beyond it was computed.
             assert computed(s) - base <= 8 + 2
