@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def kserve_run(tmp_path_factory):
                               str(tmp / "job.json"), str(out)],
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
-        yield s, json.loads((out / "result.json").read_text()), out
+        yield s, json.loads((out / "result.json").read_text()), out, job
     finally:
         s.stop(2.0)
 
@@ -75,7 +76,7 @@ def sdk(server: RunningServer, image, layer: str, params: dict) -> np.ndarray:
 
 @pytest.mark.parametrize("side", ["grpc", "rest"])
 def test_health_and_metadata(kserve_run, side):
-    _, result, _ = kserve_run
+    result = kserve_run[1]
     r = result[side]
     assert (r["live"], r["ready"], r["model_ready"]) == (True, True, True)
     assert r["unknown_model_ready"] is False
@@ -89,7 +90,7 @@ def test_image_bytes_equal_the_sdk(kserve_run, case):
     """IMAGE BYTES for 3 images, 2 layers with their reductions (and a dtype): each
     image's answer equals the SDK's, over raw and typed gRPC contents and REST's
     binary-data extension."""
-    server, _, out = kserve_run
+    server, _, out, _ = kserve_run
     got = np.load(out / f"{case}.npz")
     for name, params in LAYERS.items():
         assert got[name].shape[0] == len(IMAGES)
@@ -103,7 +104,7 @@ def test_image_bytes_equal_the_sdk(kserve_run, case):
 def test_pixels_equal_the_sdk(kserve_run, case):
     """INPUT__0 as UINT8 elements (typed contents on gRPC; JSON integers on REST, the
     answers asked back as binary data)."""
-    server, _, out = kserve_run
+    server, _, out, _ = kserve_run
     got = np.load(out / f"{case}.npz")
     for name, params in LAYERS.items():
         for i, px in enumerate(PIXELS):
@@ -111,7 +112,7 @@ def test_pixels_equal_the_sdk(kserve_run, case):
 
 
 def test_errors_and_token(kserve_run):
-    _, result, _ = kserve_run
+    result = kserve_run[1]
     g, r = result["grpc"], result["rest"]
     assert g["unknown_layer"][0] == "INVALID_ARGUMENT"
     assert "unknown layer 'no.such.layer'" in g["unknown_layer"][1]
@@ -119,3 +120,19 @@ def test_errors_and_token(kserve_run):
     assert "unknown layer 'no.such.layer'" in r["unknown_layer"][1]
     assert g["no_token"][0] == "UNAUTHENTICATED"
     assert r["no_token"][0] == 401 and "Authorization: Bearer" in r["no_token"][1]
+
+
+def test_the_docs_kserve_example_runs(kserve_run, tmp_path):
+    """docs/oip.md's KServe example as written (its fence is `python kserve`, so
+    test_oip_docs.py, in hookserve's venv, leaves it to this test); only the addresses,
+    the image paths and the token are this test's."""
+    server, _, _, job = kserve_run
+    doc = (ROOT / "docs" / "oip.md").read_text()
+    (code,) = re.findall(r"```python kserve\n(.*?)```", doc, re.S)
+    code = (code.replace("localhost:8001", server.address)
+            .replace("localhost:8000", f"127.0.0.1:{server.server.http.port}"))
+    script = tmp_path / "example.py"
+    script.write_text(f"paths = {job['images']!r}\ntoken = {TOKEN!r}\n" + code)
+    run = subprocess.run([str(KSERVE_PYTHON), str(script)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
