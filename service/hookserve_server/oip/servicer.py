@@ -10,7 +10,6 @@ hookserve's own service (server.py says why).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ from ..status import mapped, short_message
 from . import grpc_service_pb2 as pb
 from . import metadata as md
 from . import model_config_pb2 as mc
-from .infer import VERSION, Inference
+from .infer import VERSION, CallCancel, Inference
 from .request import InferCall, InTensor, OutRequest, own_params
 from .tensors import InferAnswer
 
@@ -91,29 +90,6 @@ def _tensors(items: list[dict]) -> list[pb.ModelMetadataResponse.TensorMetadata]
 def _config_io(cls, items: list[dict], **extra) -> list:
     return [cls(name=t["name"], data_type=_CONFIG_TYPES[t["datatype"]], dims=t["shape"],
                 **extra) for t in items]
-
-
-class _Cancel:
-    """The call's cancel callback, pointed at the Session running now."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._fn: Callable[[], None] | None = None
-        self._done = False
-
-    def set(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            self._fn = fn
-            done = self._done
-        if done:
-            fn()
-
-    def __call__(self) -> None:
-        with self._lock:
-            self._done = True
-            fn = self._fn
-        if fn is not None:
-            fn()
 
 
 def _deadline(context) -> float | None:
@@ -214,7 +190,7 @@ class OipServicer:
     def ModelStreamInfer(self, request_iterator, context) -> Iterator:
         """Each request answered in turn; a failed request's answer is its
         error_message and the stream goes on."""
-        cancel = _Cancel()
+        cancel = CallCancel()
         context.add_callback(cancel)
         with self.servicer._stream_slot("ModelStreamInfer"):
             for n, raw in enumerate(_requests(request_iterator)):
