@@ -240,3 +240,17 @@ def test_a_client_that_goes_away_cancels_its_infer():
         assert computed(s) - base < n // 2, computed(s) - base
     finally:
         s.stop(2.0)
+
+
+def test_the_timeout_parameter_is_the_calls_deadline(rest):
+    """tritonclient's infer(timeout=µs) is the request parameter `timeout`: a deadline
+    already passed when the images reach the engine ends the call with 504; a generous
+    one answers; a negative one is refused."""
+    with pytest.raises(InferenceServerException) as err:
+        rest.infer("resnet18", [image_input(IMAGES)], timeout=1)
+    assert err.value.status() == "504" and "deadline" in err.value.message()
+    ok = rest.infer("resnet18", [image_input(IMAGES[:1])], timeout=120_000_000)
+    assert ok.as_numpy("fc").shape == (1, 1000)
+    with pytest.raises(InferenceServerException) as err:
+        rest.infer("resnet18", [image_input(IMAGES[:1])], timeout=-1)
+    assert err.value.status() == "400" and "timeout=-1" in err.value.message()

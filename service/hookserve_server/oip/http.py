@@ -31,7 +31,7 @@ from ..errors import ConfigError, HookserveError, InvalidArgument, ResourceExhau
 from ..status import as_domain, short_message
 from . import metadata as md
 from .infer import CallCancel
-from .request import InferCall, InTensor, OutRequest, own_params
+from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
 from .tensors import InferAnswer, unpack_bytes
 
 if TYPE_CHECKING:
@@ -113,7 +113,8 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
     outputs = [OutRequest(str(o.get("name", "")), dict(o.get("parameters") or {}))
                for o in header.get("outputs") or []]
     return (InferCall(model, version, str(header.get("id", "")), inputs, outputs,
-                      own_params(params)), bool(params.get("binary_data_output")))
+                      own_params(params), timeout_of(params)),
+            bool(params.get("binary_data_output")))
 
 
 def _json_data(datatype: str, data: bytes) -> list:

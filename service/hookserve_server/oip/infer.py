@@ -116,7 +116,12 @@ class Inference:
               on_cancel: Callable[[Callable[[], None]], object],
               deadline: float | None, *, slot: bool = True) -> InferAnswer:
         """The call's answer; a bad request or image raises its HookserveError.
-        `slot`: count the call in --max-streams (a stream's requests share its own)."""
+        `slot`: count the call in --max-streams (a stream's requests share its own).
+        `deadline` (the transport's) and the call's `timeout` parameter: the earlier
+        one ends it."""
+        if call.timeout_us:
+            own = time.monotonic() + call.timeout_us / 1e6
+            deadline = own if deadline is None else min(deadline, own)
         stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
         t0 = time.perf_counter_ns()
         ok = known = False

@@ -23,7 +23,7 @@ from . import grpc_service_pb2 as pb
 from . import metadata as md
 from . import model_config_pb2 as mc
 from .infer import VERSION, CallCancel, Inference
-from .request import InferCall, InTensor, OutRequest, own_params
+from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
 from .tensors import InferAnswer
 
 if TYPE_CHECKING:
@@ -67,8 +67,9 @@ def to_call(req: pb.ModelInferRequest) -> InferCall:
     inputs = [InTensor(t.name, t.datatype, tuple(t.shape), raw[i] if raw else _typed(t))
               for i, t in enumerate(req.inputs)]
     outputs = [OutRequest(o.name, params_of(o.parameters)) for o in req.outputs]
+    params = params_of(req.parameters)
     return InferCall(req.model_name, req.model_version, req.id, inputs, outputs,
-                     own_params(params_of(req.parameters)))
+                     own_params(params), timeout_of(params))
 
 
 def to_response(ans: InferAnswer) -> pb.ModelInferResponse:
