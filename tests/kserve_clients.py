@@ -118,7 +118,8 @@ async def rest_side(job: dict, out: Path) -> dict:
                               headers=dict(headers) if headers else None)
                 r[case] = None
             except httpx.HTTPStatusError as e:
-                r[case] = [e.response.status_code, e.response.json()["error"]]
+                # str(e): the message KServe's client makes of the answer's "error"
+                r[case] = [e.response.status_code, e.response.json()["error"], str(e)]
     return r
 
 

@@ -118,6 +118,7 @@ def test_errors_and_token(kserve_run):
     assert "unknown layer 'no.such.layer'" in g["unknown_layer"][1]
     assert r["unknown_layer"][0] == 400
     assert "unknown layer 'no.such.layer'" in r["unknown_layer"][1]
+    assert "unknown layer 'no.such.layer'" in r["unknown_layer"][2]  # as the client says
     assert g["no_token"][0] == "UNAUTHENTICATED"
     assert r["no_token"][0] == 401 and "Authorization: Bearer" in r["no_token"][1]
 
