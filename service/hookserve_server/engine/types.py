@@ -84,13 +84,33 @@ class CallState:
     def __init__(self, deadline: float | None = None) -> None:
         self.deadline = deadline
         self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._on_cancel: list = []
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
-        self._cancelled.set()
+        with self._lock:
+            self._cancelled.set()
+            callbacks, self._on_cancel = self._on_cancel, []
+        for fn in callbacks:
+            fn()
+
+    def on_cancel(self, fn) -> None:
+        """Call `fn()` once when the call is cancelled (now, if it was already)."""
+        with self._lock:
+            if not self._cancelled.is_set():
+                self._on_cancel.append(fn)
+                return
+        fn()
+
+    def forget(self, fn) -> None:
+        """`fn` is no longer needed (its wait ended)."""
+        with self._lock:
+            if fn in self._on_cancel:
+                self._on_cancel.remove(fn)
 
     def expired(self, now: float | None = None) -> bool:
         if now is None:
