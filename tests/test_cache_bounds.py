@@ -251,3 +251,29 @@ def test_cache_events_help_names_every_event():
     help_text = PrometheusTelemetry().cache_events._documentation
     for event in ("hit", "miss", "coalesced", "eviction", "error", "store", "dropped"):
         assert event in help_text
+
+
+def test_a_layers_input_is_its_own_key(make_server):
+    """layer2's input is layer1's output (same numbers), but another answer: a miss."""
+    s = make_server(*BASE, "--cache-bytes", "16MiB")
+    img = rand_image(seed=60)
+    with s.client(timeout=120) as c:
+        out = one(c, img, [Layer("layer1", "avg")])
+        inp = one(c, img, [Layer("layer2:input", "avg")])
+        assert not inp.cached
+        assert one(c, img, [Layer("layer2:input", "avg")]).from_cache
+    assert inp.features["layer2:input"].tobytes() == out.features["layer1"].tobytes()
+
+
+def test_the_key_holds_the_versions_of_what_decodes_and_computes(make_server):
+    import PIL
+    import torchvision
+
+    from hookserve_server import __version__
+    from hookserve_server.cache import key
+
+    s = make_server(*BASE, start=True)
+    part = key.model_part(s.engine.models["resnet18"], gpu_decode=True)
+    for version in (__version__, torchvision.__version__, PIL.__version__):
+        assert version in part
+    assert part[-1] is False  # --gpu-decode does not apply to a CPU model
