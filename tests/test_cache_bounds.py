@@ -277,3 +277,52 @@ def test_the_key_holds_the_versions_of_what_decodes_and_computes(make_server):
     for version in (__version__, torchvision.__version__, PIL.__version__):
         assert version in part
     assert part[-1] is False  # --gpu-decode does not apply to a CPU model
+
+
+def test_a_wait_ends_with_its_calls_deadline_or_cancel_on_the_cache_itself(cached_spec):
+    """On the wire the server cancels a call whose deadline passed; the cache does not
+    rely on it: a waiter's own deadline ends its wait too (and its cancel, at once)."""
+    from hookserve_server.cache.front import AnswerCache
+    from hookserve_server.cache.local import LocalCache
+    from hookserve_server.engine.types import CallState
+    from hookserve_server.errors import Cancelled, DeadlineExceeded
+    from hookserve_server.spec import ImageInput
+
+    cache = AnswerCache(LocalCache(1 << 20))
+    computing: list[Future] = []
+    image = ImageInput("x", raw=bytes(12), height=2, width=2)
+    lead, late, gone = Future(), Future(), Future()
+    cache.submit(cached_spec, image, CallState(), lead, lambda part, f: computing.append(f))
+    cache.submit(cached_spec, image, CallState(time.monotonic() + 0.2), late,
+                 lambda part, f: computing.append(f))
+    call = CallState()
+    cache.submit(cached_spec, image, call, gone, lambda part, f: computing.append(f))
+    call.cancel()
+    assert isinstance(gone.exception(timeout=0), Cancelled)  # at once
+    assert isinstance(late.exception(timeout=30), DeadlineExceeded)
+    assert len(computing) == 1 and not lead.done()  # the computation goes on
+    cache.close()
+
+
+def test_an_image_out_of_restarts_gets_unavailable(cached_spec):
+    """An image that already started over MAX_RESTARTS times, whose computation fails
+    again for another call's reason, gets UNAVAILABLE (retry), not that call's error."""
+    from hookserve_server.cache.front import MAX_RESTARTS, AnswerCache
+    from hookserve_server.cache.local import LocalCache
+    from hookserve_server.engine.types import CallState
+    from hookserve_server.errors import Cancelled, Unavailable
+    from hookserve_server.spec import ImageInput
+
+    cache = AnswerCache(LocalCache(1 << 20))
+    computing: list[Future] = []
+    image = ImageInput("x", raw=bytes(12), height=2, width=2)
+    leader_call, a, b = CallState(), Future(), Future()
+    cache.submit(cached_spec, image, leader_call, a, lambda part, f: computing.append(f))
+    cache.submit(cached_spec, image, CallState(), b, lambda part, f: computing.append(f),
+                 restarts=MAX_RESTARTS)
+    leader_call.cancel()
+    computing[0].set_exception(Cancelled("the call was cancelled"))
+    error = b.exception(timeout=5)
+    assert isinstance(error, Unavailable) and "retry" in str(error)
+    assert len(computing) == 1
+    cache.close()
