@@ -103,6 +103,19 @@ CASES: dict[str, Case] = {
     "imagenet_not_cached_offline": Case(
         ["--model", "resnet18", "--weights", "imagenet", "--no-download"],
         ("downloads are off", "--weights PATH")),
+    # the answer cache's Redis URL: read as redis-py reads it, and nothing of ours in it
+    "cache_url_port": Case([*R18, "--cache-url", "redis://127.0.0.1:abc/0"],
+                           ("--cache-url", "'abc'")),
+    "cache_url_db": Case([*R18, "--cache-url", "redis://127.0.0.1:6379/x"],
+                         ("--cache-url", "database", "must be a number")),
+    "cache_url_timeout": Case([*R18, "--cache-url",
+                               "redis://127.0.0.1:6379/0?socket_timeout=30"],
+                              ("remove socket_timeout", "--cache-timeout-ms")),
+    "cache_url_host": Case([*R18, "--cache-url", "redis://no-such-host.invalid:6379/0"],
+                           ("--cache-url", "cannot resolve 'no-such-host.invalid'")),
+    "cache_url_password_not_echoed": Case(
+        [*R18, "--cache-url", "redis://user:s3cret@127.0.0.1:99999/0"],
+        ("--cache-url", "127.0.0.1:99999/0", "Port out of range")),
     # after loading: the warm-up image cannot pass the limits
     "warmup_refused": Case([*R18, "--max-input-side", "16"], ("warm-up failed",),
                            after_load=True),
@@ -169,6 +182,7 @@ def test_startup_failure_is_one_line_and_exit_2(results, name):
     lines = stderr.splitlines()
     assert rc == 2, stderr
     assert "Traceback" not in stderr and "\x1b" not in stderr, stderr
+    assert "s3cret" not in stderr  # a password in --cache-url is never echoed
     if case.after_load:  # the start-up log, then the one error record
         records = [json.loads(line) for line in lines]  # every line is one record
         errors = [r for r in records if r["level"] == "ERROR"]

@@ -126,7 +126,8 @@ def build_cache(args: argparse.Namespace, telemetry) -> AnswerCache | None:
         shared = SharedCache(args.cache_url, args.cache_ttl_seconds,
                              args.cache_max_value_bytes, args.cache_timeout_ms / 1000.0,
                              telemetry)
-    return AnswerCache(LocalCache(args.cache_bytes, telemetry), shared, telemetry)
+    return AnswerCache(LocalCache(args.cache_bytes, telemetry), shared, telemetry,
+                       gpu_decode=args.gpu_decode)
 
 
 def start_metrics(telemetry, args: argparse.Namespace) -> tuple[str, int]:

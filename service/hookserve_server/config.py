@@ -324,14 +324,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
               "--max-buffer-bytes (at most half of it); 0: off")
     _add(g, "--cache-url", metavar="URL",
          help="also keep answers in Redis, shared by replicas: redis://[user:password@]"
-              "HOST:PORT[/DB] or rediss:// for TLS (needs hookserve[cache]); off when unset")
+              "HOST:PORT[/DB], rediss:// for TLS or unix://PATH (needs hookserve[cache]); "
+              "timeouts and retries are not URL options; a password is better given in "
+              "HOOKSERVE_CACHE_URL than on the command line; off when unset")
     _add(g, "--cache-ttl-seconds", default=86400, type=int, metavar="S",
          help="how long Redis keeps an answer")
     _add(g, "--cache-max-value-bytes", default="16MiB", type=byte_size, metavar="SIZE",
          help="largest answer (one layer's, encoded) written to Redis")
     _add(g, "--cache-timeout-ms", default=50.0, type=float, metavar="MS",
-         help="longest a Redis command may take; a slower or failed lookup is a miss, and "
-              "Redis is skipped for a second after a failure")
+         help="longest a Redis lookup may delay an image, name lookup and connecting "
+              "included; a slower or failed lookup is a miss, and Redis is skipped for a "
+              "second after a failure")
 
     g = p.add_argument_group("security")
     _add(g, "--tls-cert", metavar="PEM",

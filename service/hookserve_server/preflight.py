@@ -252,14 +252,57 @@ def check_cache(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if not args.cache_url:
         return
-    if args.cache_url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"--cache-url {args.cache_url.split('@')[-1]!r}: use "
-                          "redis://HOST:PORT, rediss://HOST:PORT (TLS) or unix://PATH")
+    from .cache.shared import write_queue_bytes
+
+    queue = write_queue_bytes(args.cache_max_value_bytes)
+    if args.cache_bytes + queue > args.max_buffer_bytes // 2:
+        raise ConfigError(f"--cache-url: --cache-bytes {args.cache_bytes} and the Redis "
+                          f"write queue ({queue} bytes) must fit in half of "
+                          f"--max-buffer-bytes ({args.max_buffer_bytes // 2}): raise "
+                          "--max-buffer-bytes or lower --cache-bytes")
     try:
         import redis  # noqa: F401
     except ImportError:
         raise ConfigError("--cache-url needs the redis client: pip install "
                           "'hookserve[cache]'") from None
+    check_cache_url(args.cache_url)
+
+
+#: URL options that would replace the timeouts and retries --cache-timeout-ms sets.
+_OWN_OPTIONS = ("timeout", "retry", "health_check", "keepalive")
+
+
+def check_cache_url(url: str) -> None:
+    """A Redis URL redis-py takes as meant: scheme, port and db, no options of ours,
+    and (for TCP) a host name that resolves now."""
+    import urllib.parse
+
+    from redis.connection import parse_url
+
+    shown = url.split("@")[-1]  # never echo a password
+    if url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"--cache-url {shown!r}: use redis://HOST:PORT, "
+                          "rediss://HOST:PORT (TLS) or unix://PATH")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        options = parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"--cache-url {shown!r}: {exc}") from None
+    own = [k for k in urllib.parse.parse_qs(parts.query)
+           if any(o in k.lower() for o in _OWN_OPTIONS)]
+    if own:
+        raise ConfigError(f"--cache-url {shown!r}: remove {', '.join(own)} from the URL; "
+                          "--cache-timeout-ms sets the timeouts (and there are no retries)")
+    if parts.scheme != "unix":
+        if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            raise ConfigError(f"--cache-url {shown!r}: the database after the port must "
+                              "be a number (redis://HOST:PORT/0)")
+        host = options.get("host", "localhost")
+        try:
+            socket.getaddrinfo(host, options.get("port", 6379), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ConfigError(f"--cache-url {shown!r}: cannot resolve {host!r} "
+                              f"({exc.strerror or exc})") from None
 
 
 def read_token(path: str) -> str:

@@ -7,7 +7,8 @@ Attribute. A key is the digest of, in order:
 - a format tag (a change of layout never reads an old value);
 - the image's own bytes (encoded, or raw pixels with their height and width);
 - what computes: architecture, weights digest (sha256 of the state dict), precision,
-  memory format, device type, torch version;
+  memory format, device type; the versions of hookserve, torch, torchvision and
+  Pillow; whether JPEGs are decoded on the model's GPU (``--gpu-decode``);
 - the resolved preprocessing: the resize and crop the geometry rule gives for the
   requested mode, and the model's mean, std and interpolation;
 - the answer's own spec: the layer, reduction, dtype and L2 flag (Extract), or every
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 import hashlib
 
+import PIL
 import torch
+import torchvision
 
+from .. import __version__
 from ..attribution_spec import AttributionSpec
 from ..models import ServedModel
 from ..preprocess.geometry import geometry_params
@@ -29,6 +33,10 @@ from ..spec import ImageInput, LayerSpec, Preprocess
 
 #: Bumped whenever the layout below or the encoded value changes.
 FORMAT = b"hookserve-cache-v2"
+
+#: The code that decodes, preprocesses and computes: another version may answer
+#: differently.
+VERSIONS = (__version__, torch.__version__, torchvision.__version__, PIL.__version__)
 
 
 def _field(h, *parts: object) -> None:
@@ -49,10 +57,10 @@ def image_digest(image: ImageInput) -> bytes:
     return h.digest()
 
 
-def model_part(m: ServedModel) -> tuple:
+def model_part(m: ServedModel, gpu_decode: bool = False) -> tuple:
     """What computes the answer: a different entry means a different key."""
     return (m.arch, m.weights.digest, m.dtype.name, m.channels_last, m.device.type,
-            torch.__version__)
+            *VERSIONS, gpu_decode and m.device.type == "cuda")
 
 
 def preprocess_part(m: ServedModel, pre: Preprocess) -> tuple:
@@ -62,11 +70,11 @@ def preprocess_part(m: ServedModel, pre: Preprocess) -> tuple:
     return (resize, crop, tuple(d.mean), tuple(d.std), d.interpolation)
 
 
-def base(image: bytes, m: ServedModel, pre: Preprocess):
+def base(image: bytes, m: ServedModel, pre: Preprocess, gpu_decode: bool = False):
     """The hash state shared by every answer of one image under one model and
     preprocessing; each answer's key continues a copy of it."""
     h = hashlib.sha256(FORMAT)
-    _field(h, image, *model_part(m), *preprocess_part(m, pre))
+    _field(h, image, *model_part(m, gpu_decode), *preprocess_part(m, pre))
     return h
 
 

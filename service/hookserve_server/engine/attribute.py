@@ -98,6 +98,9 @@ class AttributeJob:
     def only(self, units: list[int]) -> AttributeJob:
         return self  # one unit: the image's answer
 
+    def unit_types(self) -> list[tuple[str | None, DType]]:
+        return [(None, DType.FLOAT32)]  # the map, named by the layer the request gave
+
     def run_batch(self, device: Device, items: list[WorkItem]) -> None:
         """Start the batch's run; its passes come in turn (`AttributeRun.step`)."""
         try:

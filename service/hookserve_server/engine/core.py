@@ -68,7 +68,7 @@ class Engine:
         #: cache's bytes come out of --max-buffer-bytes too
         held = cache.capacity if cache is not None else 0
         self.budget = Budget(self.config.max_buffer_bytes - held, "--max-buffer-bytes"
-                             + (" less --cache-bytes" if held else ""))
+                             + (" less the answer cache" if held else ""))
         #: returns freed answer memory to the OS once work stops
         self.memory = MemoryReturn(busy=lambda: self._admission.admitted > 0)
         #: set by start_drain(): open streams stop taking new images

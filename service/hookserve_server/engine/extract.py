@@ -21,7 +21,7 @@ from ..capture.forward import capture, stack_inputs, to_host
 from ..capture.plan import CapturePlan
 from ..capture.reduce import DTYPE_OF_TORCH, REDUCTIONS
 from ..models import ServedModel
-from ..spec import ImageInput, LayerOutput, LayerSpec
+from ..spec import DType, ImageInput, LayerOutput, LayerSpec
 from .limits import Limits
 from .types import CallState, Device, WorkItem
 from .worker import batch_error, is_oom
@@ -55,6 +55,9 @@ class ExtractJob:
 
     def only(self, units: list[int]) -> ExtractJob:
         return ExtractJob(self.limits, self.model, tuple(self.layers[i] for i in units))
+
+    def unit_types(self) -> list[tuple[str | None, DType]]:
+        return [(layer.name, layer.dtype) for layer in self.layers]
 
     def run_batch(self, device: Device, items: list[WorkItem]) -> None:
         try:

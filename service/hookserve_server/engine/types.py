@@ -56,6 +56,10 @@ class Job(Protocol):
     def only(self, units: list[int]) -> Job:
         """This job for some units of its answer (the cache computes what it misses)."""
 
+    def unit_types(self) -> list[tuple[str | None, Any]]:
+        """(name, DType) of each unit's value, in the answer's order (None: any name);
+        the cache checks what it reads back against them."""
+
 
 class Running(Protocol):
     """A batch that runs a pass at a time between other work (Attribute)."""
@@ -114,13 +118,33 @@ class CallState:
     def __init__(self, deadline: float | None = None) -> None:
         self.deadline = deadline
         self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._on_cancel: list = []
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
-        self._cancelled.set()
+        with self._lock:
+            self._cancelled.set()
+            callbacks, self._on_cancel = self._on_cancel, []
+        for fn in callbacks:
+            fn()
+
+    def on_cancel(self, fn) -> None:
+        """Call `fn()` once when the call is cancelled (now, if it was already)."""
+        with self._lock:
+            if not self._cancelled.is_set():
+                self._on_cancel.append(fn)
+                return
+        fn()
+
+    def forget(self, fn) -> None:
+        """`fn` is no longer needed (its wait ended)."""
+        with self._lock:
+            if fn in self._on_cancel:
+                self._on_cancel.remove(fn)
 
     def expired(self, now: float | None = None) -> bool:
         if now is None:
