@@ -19,6 +19,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from conftest import RunningServer, encode, rand_image
+from helpers import R18
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 CODE = {c.value[0]: c for c in grpc.StatusCode}
@@ -108,8 +109,7 @@ def ppm_bytes() -> bytes:
 @pytest.fixture(scope="module")
 def limited() -> RunningServer:
     """resnet18 with small limits, so each limit can be crossed cheaply."""
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-delay-ms", "2",
+    s = RunningServer([*R18, "--max-batch-delay-ms", "2",
                        "--max-image-pixels", "40000",          # 200x200
                        "--max-response-bytes", "1000000",      # 1 MB per image
                        "--max-message-bytes", str(1 << 20),    # 1 MiB per request message

@@ -28,6 +28,7 @@ from hookserve.batch.sinks.npy import safe_relpath
 from hookserve.cli import main
 
 from conftest import encode, rand_image
+from helpers import R18
 
 N_GOOD = 240
 CORRUPT = ["b/garbage.jpg", "b/empty.png", "c/truncated.png", "a/text.jpeg"]
@@ -216,8 +217,7 @@ def test_shards_cover_the_input_exactly_once(images, server, tmp_path, capsys):
 
 def test_losing_one_of_two_servers_mid_run_loses_nothing(images, make_server, tmp_path):
     root, good = images
-    flags = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-             "--max-batch-delay-ms", "2", "--max-batch-size", "8"]
+    flags = [*R18, "--max-batch-delay-ms", "2", "--max-batch-size", "8"]
     a, b = make_server(*flags), make_server(*flags)
     out = str(tmp_path / "two")
     index = os.path.join(out, "index.jsonl")
@@ -314,8 +314,7 @@ def test_sigterm_saves_progress_and_exits_130(images, server, tmp_path):
 
 def test_overloaded_server_is_retried_not_failed(images, make_server, tmp_path, capsys):
     root, good = images
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-queue", "2", "--queue-wait-ms", "0", "--max-batch-delay-ms", "2")
+    s = make_server(*R18, "--max-queue", "2", "--queue-wait-ms", "0", "--max-batch-delay-ms", "2")
     src = tmp_path / "src"
     src.mkdir()
     for p in good[:40]:
@@ -424,8 +423,7 @@ def test_size_limit_errors_are_final_not_retried(images, make_server, tmp_path, 
     # A per-image RESOURCE_EXHAUSTED without a retry hint (here: the answer is over
     # --max-response-bytes at the image's native size) would fail again: no retries.
     root, good = images
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-response-bytes", "5000")  # warm-up (fc) needs 4000
+    s = make_server(*R18, "--max-response-bytes", "5000")  # warm-up (fc) needs 4000
     src = tmp_path / "src"
     src.mkdir()
     for p in good[:3]:

@@ -16,9 +16,11 @@ from hookserve_server.capture.reduce import DTYPES, REDUCTIONS
 from hookserve_server.errors import InvalidArgument
 from hookserve_server.spec import DType, Mode, Reduction
 
+from helpers import assert_no_new_cycles, import_graph
+
 SERVER = Path(__file__).resolve().parents[1] / "service" / "hookserve_server"
 
-#: Proto values whose server side another change is adding right now (issue 13: stats).
+#: Proto values whose server side is not in the table yet.
 #: Empty this set in the change that adds the table entry.
 PENDING: set[str] = set()
 
@@ -79,59 +81,8 @@ def test_reduction_shapes_are_those_the_proto_documents():
 
 # -- layout rules ------------------------------------------------------------------------
 
-def _module_name(f: Path) -> str:
-    parts = f.relative_to(SERVER.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _module_imports(f: Path) -> set[str]:
-    """hookserve_server modules `f` imports when it is imported (not under
-    TYPE_CHECKING, not inside functions)."""
-    pkg = _module_name(f) if f.name == "__init__.py" else _module_name(f).rpartition(".")[0]
-    out: set[str] = set()
-
-    def visit(stmts):
-        for node in stmts:
-            if isinstance(node, ast.If):
-                if "TYPE_CHECKING" not in ast.unparse(node.test):
-                    visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-            elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                out.add(mod)
-                out.update(f"{mod}.{a.name}" for a in node.names)
-    visit(ast.parse(f.read_text()).body)
-    return out
-
-
-def _graph() -> dict[str, set[str]]:
-    files = {_module_name(f): f for f in SERVER.rglob("*.py")}
-    return {m: {i for i in _module_imports(f) if i in files and i != m}
-            for m, f in files.items()}
-
-
-def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for nxt in graph[todo.pop()]:
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
-
-
 def test_no_import_cycles_and_no_big_files():
-    graph = _graph()
-    cycles = sorted(m for m in graph if m in _reaches(graph, m))
-    assert not cycles, cycles
+    assert_no_new_cycles(import_graph(SERVER.parent, "hookserve_server"))
     big = {str(f.relative_to(SERVER)): n for f in SERVER.rglob("*.py")
            if (n := len(f.read_text().splitlines())) > 400}
     assert not big, big

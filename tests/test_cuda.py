@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import encode, rand_image
+from helpers import R18
 
 # HOOKSERVE_TEST_DEVICE=cpu runs the same checks on the CPU (to check the tests).
 DEVICE = os.environ.get("HOOKSERVE_TEST_DEVICE", "cuda:0")
@@ -26,8 +27,7 @@ LAYERS = ["conv1", "layer1", "layer3.1.conv2", "layer4", "fc"]
 
 
 def cuda_server(make_server, *extra: str):
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-batch-delay-ms", "2", *extra)
+    s = make_server(*R18, "--max-batch-delay-ms", "2", *extra)
     # conftest forces --device cpu first; a later --device wins in argparse.
     return s
 

@@ -36,10 +36,10 @@ from hookserve_server.models import build_model
 from hookserve_server.stream_caps import SIDE_STREAMS
 
 from conftest import encode, rand_image
+from helpers import small_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-       "--max-batch-delay-ms", "2"]
+FAST = small_server("--max-batch-delay-ms", "2")
 WATCH = "/grpc.health.v1.Health/Watch"
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 
@@ -48,7 +48,7 @@ REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 def test_two_authorization_headers_are_unauthenticated(make_server, tmp_path):
     token = tmp_path / "token"
     token.write_text("tok-123\n")
-    s = make_server(*R18, "--auth-token-file", str(token))
+    s = make_server(*FAST, "--auth-token-file", str(token))
     with grpc.insecure_channel(s.address) as ch:
         list_models = ch.unary_unary("/hookserve.v1.FeatureExtractor/ListModels")
         good = ("authorization", "Bearer tok-123")
@@ -155,7 +155,7 @@ def _answers_within_a_second(s) -> None:
 
 def test_hundreds_of_idle_streams_leave_unary_calls_answering(make_server):
     cap = 8
-    s = make_server(*R18, "--max-streams", "4", "--max-side-streams", str(cap))
+    s = make_server(*FAST, "--max-streams", "4", "--max-side-streams", str(cap))
     n = 150  # of each kind
     stop = threading.Event()
     channels = [grpc.insecure_channel(s.address) for _ in range(6)]
@@ -187,7 +187,7 @@ def test_hundreds_of_idle_streams_leave_unary_calls_answering(make_server):
 
 
 def test_idle_side_streams_are_cancelled(make_server):
-    s = make_server(*R18, "--stream-idle-seconds", "0.3")
+    s = make_server(*FAST, "--stream-idle-seconds", "0.3")
     stop = threading.Event()
     with grpc.insecure_channel(s.address) as ch:
         w = ch.unary_stream(WATCH)(health_pb2.HealthCheckRequest().SerializeToString())

@@ -19,28 +19,11 @@ import torchvision
 import hookserve
 from hookserve_server.errors import ConfigError
 
-from certs import CA
-from conftest import RunningServer, rand_image
+from conftest import TOKEN, RunningServer, rand_image
+from helpers import small_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BASE = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-        "--max-batch-delay-ms", "2"]
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    server_ca, client_ca, rogue_ca = CA("server", d), CA("clients", d), CA("rogue", d)
-    return {
-        "dir": d,
-        "server_ca": server_ca,
-        "client_ca": client_ca,
-        "rogue_ca": rogue_ca,
-        "server": server_ca.issue("hookserve-server", server=True),
-        "client": client_ca.issue("trainer-1", server=False),
-        "rogue_client": rogue_ca.issue("intruder", server=False),
-        "rogue_server": rogue_ca.issue("fake-server", server=True),
-    }
+BASE = small_server("--max-batch-delay-ms", "2")
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +39,6 @@ def mtls_server(pki):
     s = RunningServer(BASE + ["--tls-cert", str(pki["server"].cert_path),
                               "--tls-key", str(pki["server"].key_path),
                               "--tls-client-ca", str(pki["client_ca"].path)])
-    yield s
-    s.stop(2.0)
-
-
-TOKEN = "s3cret-token-4f1c9a"
-
-
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory):
-    f = tmp_path_factory.mktemp("auth") / "token"
-    f.write_text(TOKEN + "\n")       # a trailing newline, as editors write it, is ignored
-    s = RunningServer(BASE + ["--auth-token-file", str(f)])
     yield s
     s.stop(2.0)
 

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 import hookserve
 
 from conftest import RunningServer, rand_image
+from helpers import R18
 
 
 def _health(address: str, service: str = "") -> int:
@@ -21,7 +22,7 @@ def _health(address: str, service: str = "") -> int:
 
 
 def test_health_serving_only_after_warmup_then_not_serving_on_stop():
-    s = RunningServer(["--model", "resnet18", "--weights", "random"], start=False)
+    s = RunningServer(R18, start=False)
     try:
         assert s.port > 0  # --port 0 bound a real port before start
         s.server.listen()
@@ -51,8 +52,7 @@ def test_reflection_lists_the_services(server):
 
 
 def test_oversized_request_message_is_refused(make_server):
-    s = make_server("--model", "resnet18", "--weights", "random",
-                    "--max-message-bytes", str(1 << 20))
+    s = make_server(*R18, "--max-message-bytes", str(1 << 20))
     with s.client(retries=0) as c:
         with pytest.raises(hookserve.ResourceExhausted):
             c.extract(b"\x89PNG" + bytes(2 << 20), ["layer1"])
