@@ -1,4 +1,4 @@
-"""Issue 12, defects 1 and 2: every client-controlled cost is bounded before it is paid.
+"""Every client-controlled cost is bounded before it is paid.
 
 1. Geometry: every intermediate size (decoded, resized, cropped) is computed from the
    image header before decoding and checked against the limits; a tiny PNG can no

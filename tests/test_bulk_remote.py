@@ -1,5 +1,5 @@
 """Sharded `hookserve batch` over object stores, WebDataset tars and Parquet image
-columns (issue 14), on loopback: moto's ThreadedMotoServer (a real S3 API over HTTP on
+columns, on loopback: moto's ThreadedMotoServer (a real S3 API over HTTP on
 127.0.0.1:0), fsspec's memory://, and tars and Parquet files written here.
 
 The server runs with --max-batch-size 1, so an image's features do not depend on which

@@ -201,11 +201,8 @@ def test_indexed_job_shards_the_data_set():
     server = next(a for a in argv if a.startswith("--server")).split("=", 1)[1]
     assert server.startswith(f"dns:///{svc['metadata']['name']}.")
     assert server.endswith(":50051")
-    # the arguments are real `hookserve batch` flags (once `hookserve batch` exists)
+    # the arguments are real `hookserve batch` flags
     parser = build_parser()
-    commands = parser._subparsers._group_actions[0].choices
-    if "batch" not in commands:
-        pytest.skip("hookserve batch is not in this checkout")
     concrete = [a.replace("$(JOB_COMPLETION_INDEX)", "3") for a in argv[1:]]
     ns = parser.parse_args(concrete)
     assert ns.command == "batch"

@@ -1,4 +1,4 @@
-"""Issue 12, defect 6: memory comes back after clients disconnect mid big answers.
+"""Memory comes back after clients disconnect mid big answers.
 
 Clients open streams of big answers (resnet18 conv1 at 512x512: 16.8 MB each, under
 glibc's mmap threshold, so they live on the heap), read a little and go away. Once the

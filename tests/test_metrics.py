@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import hookserve
+from hookserve.cli import build_parser
+from hookserve_server.app import start_metrics
 
 from conftest import RunningServer, encode, rand_image
 from helpers import R18, wait_until
@@ -186,3 +189,19 @@ def test_attribute_calls_name_the_rpc_and_the_attribution_method(metrics_server,
     assert not any(dict(labels).get("attribution_method")
                    for (name, labels) in after if name == "hookserve_requests_total"
                    and dict(labels).get("method") != "Attribute")
+
+
+def test_metrics_bind_loopback_unless_told(monkeypatch):
+    pytest.importorskip("prometheus_client")
+    from hookserve_server.metrics import PrometheusTelemetry
+
+    args = build_parser().parse_args(["serve", "--metrics-port", "0"])
+    assert args.metrics_host == "127.0.0.1"
+    addr, port = start_metrics(PrometheusTelemetry(), args)
+    assert addr == "127.0.0.1"
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    monkeypatch.setenv("HOOKSERVE_METRICS_HOST", "[::]")
+    args = build_parser().parse_args(["serve", "--metrics-port", "0"])
+    addr, _ = start_metrics(PrometheusTelemetry(), args)
+    assert addr == "0.0.0.0"  # the wildcard, IPv4 (works where IPv6 is off)

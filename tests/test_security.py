@@ -268,3 +268,19 @@ def test_client_sent_names_never_become_paths(server, client, tmp_path):
     r = next(client.extract_many([rand_image(32, 32)], "conv1", reduction="avg",
                                  ids=["/etc/passwd"]))
     assert r.ok and r.id == "/etc/passwd"
+
+
+def test_two_authorization_headers_are_unauthenticated(make_server, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("tok-123\n")
+    s = make_server(*BASE, "--auth-token-file", str(token))
+    with grpc.insecure_channel(s.address) as ch:
+        list_models = ch.unary_unary("/hookserve.v1.FeatureExtractor/ListModels")
+        good = ("authorization", "Bearer tok-123")
+        assert list_models(b"", metadata=[good], timeout=10) is not None
+        for pair in ([good, ("authorization", "Bearer wrong")],
+                     [("authorization", "Bearer wrong"), good], [good, good]):
+            with pytest.raises(grpc.RpcError) as err:
+                list_models(b"", metadata=pair, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "2 authorization headers" in err.value.details()
