@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -44,6 +45,26 @@ def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(every)  # polling a condition, not ordering events
+
+
+def in_threads(fn: Callable[[Any], object], args: Iterable, timeout: float = 120) -> None:
+    """Call `fn(a)` for each of `args`, each in a thread of its own, wait for all of them,
+    and fail with what any of them raised."""
+    errors: list[BaseException] = []
+
+    def run(a) -> None:
+        try:
+            fn(a)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not [t for t in threads if t.is_alive()], f"threads still running after {timeout}s"
+    assert not errors, errors[:3]
 
 
 # -- servers ------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ every kind of bad input with the right code before any tensor, count against
 from __future__ import annotations
 
 import logging
-import threading
 
 import grpc
 import numpy as np
@@ -21,7 +20,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from conftest import encode, rand_image
-from helpers import METRICS, R18, small_server, wait_until
+from helpers import METRICS, R18, in_threads, small_server, wait_until
 
 AVG = {"reduction": "avg"}
 
@@ -266,21 +265,12 @@ def test_concurrent_calls_each_get_their_own_answer(server, client):
     imgs = [rand_image(50, 60, seed=i) for i in range(12)]
     refs = [r.features["layer3"] for r in client.extract_many(imgs, {"layer3": AVG})]
     got: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
 
     def one(i):
-        try:
-            with server.client(timeout=120) as c:
-                got[i] = c.extract(imgs[i], {"layer3": AVG})["layer3"]
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        with server.client(timeout=120) as c:
+            got[i] = c.extract(imgs[i], {"layer3": AVG})["layer3"]
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    in_threads(one, range(12))
     for i in range(12):  # batched with others or not: within batching's float noise
         np.testing.assert_allclose(got[i], refs[i], rtol=1e-4, atol=1e-5)
     wait_until(lambda: server.engine.queued == 0 and server.engine.hook_count() == 0,

@@ -33,7 +33,16 @@ from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.engine import Session
 
 from conftest import RunningServer, rand_image
-from helpers import METRICS, R18, ServeProcess, answered, computed, small_server, wait_until
+from helpers import (
+    METRICS,
+    R18,
+    ServeProcess,
+    answered,
+    computed,
+    in_threads,
+    small_server,
+    wait_until,
+)
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 def sessions(s: RunningServer) -> list[Session]:
@@ -266,21 +275,12 @@ def test_100_concurrent_streams_against_a_small_queue(make_server):
     with s.client(timeout=120) as c:
         ref = [c.extract(a, **opts)["layer4"] for a in imgs]
     results: list[list] = [[] for _ in range(100)]
-    errors: list[BaseException] = []
 
     def stream(i: int) -> None:
-        try:
-            with s.client(timeout=120) as c:
-                results[i] = list(c.extract_many(imgs, **opts))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        with s.client(timeout=120) as c:
+            results[i] = list(c.extract_many(imgs, **opts))
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(100)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors[:3]
+    in_threads(stream, range(100), timeout=180)
     flat = [r for rs in results for r in rs]
     assert len(flat) == 300
     ok = [r for r in flat if r.ok]
@@ -435,6 +435,7 @@ OOM_SCRIPT = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, sys.argv[1])
     from conftest import RunningServer
+    from helpers import small_server
     s = RunningServer([*small_server(models=("vgg11",)), "--max-batch-size", "16",
                        "--max-batch-delay-ms", "3000", "--preprocess-workers", "2"])
     vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
