@@ -1,6 +1,7 @@
 """What several test modules share, importable (fixtures stay in conftest.py):
 
-- `wait_until`: the one way a test waits for a real condition;
+- `wait_until`: the one way a test waits for a real condition; `in_threads`: concurrent
+  clients, each in a thread, their errors reported;
 - `small_server`: the flags of a small, fast test server;
 - wire helpers: raw-stub Extract and Attribute calls, the CLI as a subprocess,
   `hookserve serve` as a real process, and readings of a server's own metrics;
