@@ -100,6 +100,9 @@ class Attribution:
     geometry: Geometry | None = None
     #: The typed error when this image failed; the iteration goes on regardless.
     error: errors.HookserveError | None = None
+    #: The server answered from its answer cache (the same image bytes, weights, spec
+    #: and target were answered before) rather than computing the map for this image.
+    cached: bool = False
 
     @property
     def ok(self) -> bool:
@@ -258,4 +261,5 @@ class AttributionRun(Extraction):
                              if t.HasField("completeness_delta") else None)
                    for t in s.targets]
         return Attribution(p.index, p.id, map=amap, targets=targets,
-                           top5=[_score(c) for c in s.top5], geometry=self.geometry())
+                           top5=[_score(c) for c in s.top5], geometry=self.geometry(),
+                           cached=bool(self._got.cached))

@@ -111,7 +111,8 @@ class Extraction:
     def _result(self, p: _Pending, error: errors.HookserveError | None) -> Any:
         if error is not None:
             return Result(p.index, p.id, error=error)
-        return Result(p.index, p.id, features=self._got.features, columns=self._got.columns)
+        return Result(p.index, p.id, features=self._got.features, columns=self._got.columns,
+                      cached=frozenset(self._got.cached))
 
     def admit(self, obj: Any) -> _Pending:
         """The next image of the caller's: its id, and its wire form (or the local

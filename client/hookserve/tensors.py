@@ -77,13 +77,15 @@ class TensorAssembler:
 class Collected:
     """The tensors of one image's answer, gathered as their chunks arrive."""
 
-    __slots__ = ("features", "columns", "_assembling")
+    __slots__ = ("features", "columns", "cached", "_assembling")
 
     def __init__(self) -> None:
         #: layer name -> its array, once all its chunks came
         self.features: dict[str, np.ndarray] = {}
         #: layer name -> the names of its last dimension's columns (stats)
         self.columns: dict[str, tuple[str, ...]] = {}
+        #: the layers the server answered from its cache
+        self.cached: set[str] = set()
         self._assembling: dict[str, TensorAssembler] = {}
 
     def add(self, c: pb.TensorChunk) -> None:
@@ -95,6 +97,8 @@ class Collected:
             self.features[c.layer] = a.array()
             if c.columns:
                 self.columns[c.layer] = tuple(c.columns)
+            if c.cached:
+                self.cached.add(c.layer)
             del self._assembling[c.layer]
 
     @property

@@ -67,10 +67,18 @@ class Result:
     #: Layer name -> names along its last dimension, for layers whose entries have
     #: names (reduction "stats": :data:`STATS_COLUMNS`).
     columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The layers the server answered from its answer cache (the same image bytes,
+    #: weights and spec were answered before) rather than computed for this image.
+    cached: frozenset[str] = frozenset()
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def from_cache(self) -> bool:
+        """Every layer of the answer came from the server's cache."""
+        return bool(self.features) and self.cached >= set(self.features)
 
     def raise_for_error(self) -> dict[str, np.ndarray]:
         if self.error is not None:

@@ -16,6 +16,9 @@ import threading
 
 import torch
 
+from .cache.front import AnswerCache
+from .cache.local import LocalCache
+from .cache.shared import SharedCache
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
 from .logs import LOUD
@@ -91,8 +94,20 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
         max_input_side=args.max_input_side, preprocess_workers=args.preprocess_workers,
         gpu_decode=args.gpu_decode, max_attribution_cost=args.max_attribution_cost,
         attribution_pass_cost=args.attribution_pass_cost)
-    engine = Engine(models, cfg, telemetry)
+    engine = Engine(models, cfg, telemetry, cache=build_cache(args, telemetry))
     return engine, create_server(engine, options), telemetry
+
+
+def build_cache(args: argparse.Namespace, telemetry) -> AnswerCache | None:
+    """The answer cache the flags ask for, or None."""
+    if not args.cache_bytes and not args.cache_url:
+        return None
+    shared = None
+    if args.cache_url:
+        shared = SharedCache(args.cache_url, args.cache_ttl_seconds,
+                             args.cache_max_value_bytes, args.cache_timeout_ms / 1000.0,
+                             telemetry)
+    return AnswerCache(LocalCache(args.cache_bytes, telemetry), shared, telemetry)
 
 
 def start_metrics(telemetry, args: argparse.Namespace) -> tuple[str, int]:

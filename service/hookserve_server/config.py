@@ -46,6 +46,27 @@ def default_buffer_bytes() -> int:
     return max(256 * MiB, memory_bytes() // 4)
 
 
+#: Size suffixes --cache-bytes takes (powers of 1024; a plain number is bytes).
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": MiB,
+              "mb": MiB, "mib": MiB, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def byte_size(value: str) -> int:
+    """"512MiB", "2G", "1048576": a size in bytes (the units are powers of 1024)."""
+    text = str(value).strip().lower()
+    number = text.rstrip("kmgib")
+    unit = text[len(number):]
+    try:
+        if unit not in SIZE_UNITS:
+            raise ValueError(unit)
+        return int(float(number) * SIZE_UNITS[unit])
+    except (ValueError, OverflowError):
+        where = f"{value.env}=" if isinstance(value, _FromEnv) else ""
+        raise argparse.ArgumentTypeError(
+            f"{where}{str(value)!r} is not a size: use bytes, or a number with K, M or G "
+            "(KiB, MiB, GiB: 512MiB, 2G)") from None
+
+
 def _env(flag: str) -> str:
     return "HOOKSERVE_" + flag.lstrip("-").upper().replace("-", "_")
 
@@ -252,6 +273,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--preprocess-workers", default=workers, type=int, metavar="N",
          shown=f"the CPU cores, at most 8: {workers} here",
          help="threads decoding and resizing images")
+
+    g = p.add_argument_group("answer cache (docs/cache.md)")
+    _add(g, "--cache-bytes", default="0", type=byte_size, metavar="SIZE",
+         help="keep answers in memory, least recently used out, up to this size (512MiB, "
+              "2G, or bytes); an answer is keyed by the image's bytes, the weights and "
+              "the spec, so repeated work is computed once. Its bytes come out of "
+              "--max-buffer-bytes (at most half of it); 0: off")
+    _add(g, "--cache-url", metavar="URL",
+         help="also keep answers in Redis, shared by replicas: redis://[user:password@]"
+              "HOST:PORT[/DB] or rediss:// for TLS (needs hookserve[cache]); off when unset")
+    _add(g, "--cache-ttl-seconds", default=86400, type=int, metavar="S",
+         help="how long Redis keeps an answer")
+    _add(g, "--cache-max-value-bytes", default="16MiB", type=byte_size, metavar="SIZE",
+         help="largest answer (one layer's, encoded) written to Redis")
+    _add(g, "--cache-timeout-ms", default=50.0, type=float, metavar="MS",
+         help="longest a Redis command may take; a slower or failed lookup is a miss, and "
+              "Redis is skipped for a second after a failure")
 
     g = p.add_argument_group("security")
     _add(g, "--tls-cert", metavar="PEM",

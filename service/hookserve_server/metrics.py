@@ -45,6 +45,14 @@ class PrometheusTelemetry(Telemetry):
                                     registry=r)
         self.depth = Gauge("hookserve_queue_depth", "Images waiting for the model", ["device"],
                            registry=r)
+        self.cache_events = Counter(
+            "hookserve_cache_events_total",
+            "Answer-cache units by tier (local, shared) and event (hit, miss, coalesced: "
+            "waited on the same key's computation, eviction, error: the shared tier "
+            "failed or timed out, counted as a miss too; store)",
+            ["tier", "event"], registry=r)
+        self.cache_size = Gauge("hookserve_cache_bytes", "Bytes the local answer cache holds",
+                                ["tier"], registry=r)
         mem = Gauge("hookserve_device_memory_bytes", "Device memory allocated by tensors",
                     ["device"], registry=r)
         if torch.cuda.is_available():
@@ -73,6 +81,12 @@ class PrometheusTelemetry(Telemetry):
 
     def bytes_sent(self, model, nbytes):
         self.bytes.labels(model).inc(nbytes)
+
+    def cache_event(self, tier, event, n=1):
+        self.cache_events.labels(tier, event).inc(n)
+
+    def cache_bytes(self, tier, nbytes):
+        self.cache_size.labels(tier).set(nbytes)
 
     def call_done(self, method, model, code, attribution_method=""):
         self.requests.labels(method, model, code, attribution_method).inc()

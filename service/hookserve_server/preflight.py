@@ -208,10 +208,32 @@ def check_ranges(args: argparse.Namespace) -> None:
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} {port} is not a port: use 0 to "
                               "65535 (0 picks a free one)")
+    check_cache(args)
     if args.chunk_bytes > MAX_SEND_MESSAGE_BYTES - (64 << 10):
         raise ConfigError(f"--chunk-bytes must leave room under the "
                           f"{MAX_SEND_MESSAGE_BYTES >> 20} MiB send limit (and stay under "
                           "4 MiB for default gRPC clients)")
+
+
+def check_cache(args: argparse.Namespace) -> None:
+    """The answer cache's flags: sizes, and a Redis URL the client can take."""
+    if args.cache_bytes < 0 or args.cache_bytes > args.max_buffer_bytes // 2:
+        raise ConfigError(f"--cache-bytes {args.cache_bytes} must be 0 to half of "
+                          f"--max-buffer-bytes ({args.max_buffer_bytes // 2}): the cache's "
+                          "answers come out of that budget")
+    for name in ("cache_ttl_seconds", "cache_max_value_bytes", "cache_timeout_ms"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if not args.cache_url:
+        return
+    if args.cache_url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"--cache-url {args.cache_url.split('@')[-1]!r}: use "
+                          "redis://HOST:PORT, rediss://HOST:PORT (TLS) or unix://PATH")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ConfigError("--cache-url needs the redis client: pip install "
+                          "'hookserve[cache]'") from None
 
 
 def read_token(path: str) -> str:

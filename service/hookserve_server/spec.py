@@ -111,6 +111,8 @@ class LayerOutput:
     data: memoryview
     #: Names of the last dimension's entries, when they have names (stats).
     columns: tuple[str, ...] = ()
+    #: Served from the answer cache, not computed for this image (cache/front.py).
+    cached: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -216,6 +216,8 @@ def _chunks(result: ImageResult, out: LayerOutput, chunk_bytes: int, cls, field:
         c.dtype = out.dtype.value
         c.shape.extend(out.shape)
         c.columns.extend(out.columns)
+        if out.cached:
+            c.cached = True
         c.total_bytes = total
         c.offset = off
         c.data = out.data[off:off + chunk_bytes].tobytes()

@@ -25,23 +25,23 @@ _sym_db = _symbol_database.Default()
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chookserve/v1/hookserve.proto\x12\x0chookserve.v1\x1a\x17google/rpc/status.proto\"\x82\x01\n\x0cLayerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\treduction\x18\x02 \x01(\x0e\x32\x17.hookserve.v1.Reduction\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.hookserve.v1.DType\x12\x14\n\x0cl2_normalize\x18\x04 \x01(\x08\"\xcf\x01\n\rPreprocessing\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .hookserve.v1.Preprocessing.Mode\x12\x0e\n\x06resize\x18\x02 \x01(\r\x12\x13\n\x0b\x63rop_height\x18\x03 \x01(\r\x12\x12\n\ncrop_width\x18\x04 \x01(\r\"U\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x10\n\x0cMODE_DEFAULT\x10\x01\x12\x14\n\x10MODE_RESIZE_CROP\x10\x02\x12\x0f\n\x0bMODE_NATIVE\x10\x03\"\x7f\n\x0e\x45xtractionSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x06layers\x18\x02 \x03(\x0b\x32\x1a.hookserve.v1.LayerRequest\x12\x32\n\rpreprocessing\x18\x03 \x01(\x0b\x32\x1b.hookserve.v1.Preprocessing\"9\n\x08RawImage\x12\x0e\n\x06pixels\x18\x01 \x01(\x0c\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\"U\n\x05Image\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\x07\x65ncoded\x18\x02 \x01(\x0cH\x00\x12%\n\x03raw\x18\x03 \x01(\x0b\x32\x16.hookserve.v1.RawImageH\x00\x42\x06\n\x04\x64\x61ta\"o\n\x0e\x45xtractRequest\x12,\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.hookserve.v1.ExtractionSpecH\x00\x12$\n\x05image\x18\x02 \x01(\x0b\x32\x13.hookserve.v1.ImageH\x00\x42\t\n\x07payload\"e\n\x13\x45xtractImageRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.hookserve.v1.ExtractionSpec\x12\"\n\x05image\x18\x02 \x01(\x0b\x32\x13.hookserve.v1.Image\"\x93\x01\n\x0bTensorChunk\x12\r\n\x05layer\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.hookserve.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0f\n\x07\x63olumns\x18\x07 \x03(\t\"\x96\x01\n\x0f\x45xtractResponse\x12\x10\n\x08image_id\x18\x01 \x01(\t\x12\x13\n\x0bimage_index\x18\x02 \x01(\x04\x12+\n\x06tensor\x18\x03 \x01(\x0b\x32\x19.hookserve.v1.TensorChunkH\x00\x12$\n\x06status\x18\x04 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\t\n\x07payload\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.hookserve.v1.ModelInfo\"a\n\x0bWeightsInfo\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\npretrained\x18\x04 \x01(\x08\x12\x10\n\x08verified\x18\x05 \x01(\x08\"~\n\x11PreprocessingInfo\x12\x0e\n\x06resize\x18\x01 \x01(\r\x12\x13\n\x0b\x63rop_height\x18\x02 \x01(\r\x12\x12\n\ncrop_width\x18\x03 \x01(\r\x12\x0c\n\x04mean\x18\x04 \x03(\x02\x12\x0b\n\x03std\x18\x05 \x03(\x02\x12\x15\n\rinterpolation\x18\x06 \x01(\t\"\xc7\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12*\n\x07weights\x18\x03 \x01(\x0b\x32\x19.hookserve.v1.WeightsInfo\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.hookserve.v1.DType\x12\x36\n\rpreprocessing\x18\x06 \x01(\x0b\x32\x1f.hookserve.v1.PreprocessingInfo\"P\n\x14\x44\x65scribeModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cinput_height\x18\x02 \x01(\r\x12\x13\n\x0binput_width\x18\x03 \x01(\r\"\xcd\x01\n\tLayerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06module\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x14\n\x0coutput_shape\x18\x04 \x03(\x03\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.hookserve.v1.DType\x12\x17\n\x0f\x62ytes_per_image\x18\x06 \x01(\x04\x12\r\n\x05order\x18\x07 \x01(\r\x12\x13\n\x0binput_shape\x18\x08 \x03(\x03\x12\x1d\n\x15input_bytes_per_image\x18\t \x01(\x04\"\xd0\x01\n\x15\x44\x65scribeModelResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.hookserve.v1.ModelInfo\x12\x14\n\x0cinput_height\x18\x02 \x01(\r\x12\x13\n\x0binput_width\x18\x03 \x01(\r\x12\'\n\x06layers\x18\x04 \x03(\x0b\x32\x17.hookserve.v1.LayerInfo\x12 \n\x18gradient_bytes_per_image\x18\x05 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\"\x94\x03\n\x0f\x41ttributionSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\t\x12/\n\x06method\x18\x03 \x01(\x0e\x32\x1f.hookserve.v1.AttributionMethod\x12-\n\x05score\x18\x04 \x01(\x0e\x32\x1e.hookserve.v1.AttributionScore\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x32\n\rpreprocessing\x18\x06 \x01(\x0b\x32\x1b.hookserve.v1.Preprocessing\x12\x11\n\x04relu\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tnormalize\x18\x08 \x01(\x08\x12\x10\n\x08upsample\x18\t \x01(\x08\x12\x10\n\x08ig_steps\x18\n \x01(\r\x12\x36\n\x0big_baseline\x18\x0b \x01(\x0e\x32!.hookserve.v1.AttributionBaseline\x12\x12\n\nsg_samples\x18\x0c \x01(\r\x12\x10\n\x08sg_sigma\x18\r \x01(\x02\x12\x0f\n\x07sg_seed\x18\x0e \x01(\x04\x42\x07\n\x05_relu\"`\n\x0e\x41ttributeImage\x12\"\n\x05image\x18\x01 \x01(\x0b\x32\x13.hookserve.v1.Image\x12\x19\n\x0ctarget_class\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x0f\n\r_target_class\"{\n\x10\x41ttributeRequest\x12-\n\x04spec\x18\x01 \x01(\x0b\x32\x1d.hookserve.v1.AttributionSpecH\x00\x12-\n\x05image\x18\x02 \x01(\x0b\x32\x1c.hookserve.v1.AttributeImageH\x00\x42\t\n\x07payload\"E\n\nClassScore\x12\x13\n\x0b\x63lass_index\x18\x01 \x01(\r\x12\r\n\x05logit\x18\x02 \x01(\x02\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\"\x97\x01\n\x11\x41ttributionTarget\x12(\n\x06target\x18\x01 \x01(\x0b\x32\x18.hookserve.v1.ClassScore\x12\x0f\n\x07map_min\x18\x02 \x01(\x02\x12\x0f\n\x07map_max\x18\x03 \x01(\x02\x12\x1f\n\x12\x63ompleteness_delta\x18\x04 \x01(\x02H\x00\x88\x01\x01\x42\x15\n\x13_completeness_delta\"n\n\x12\x41ttributionSummary\x12\x30\n\x07targets\x18\x01 \x03(\x0b\x32\x1f.hookserve.v1.AttributionTarget\x12&\n\x04top5\x18\x02 \x03(\x0b\x32\x18.hookserve.v1.ClassScore\"\xca\x01\n\x11\x41ttributeResponse\x12\x10\n\x08image_id\x18\x01 \x01(\t\x12\x13\n\x0bimage_index\x18\x02 \x01(\x04\x12\x33\n\x07summary\x18\x03 \x01(\x0b\x32 .hookserve.v1.AttributionSummaryH\x00\x12(\n\x03map\x18\x04 \x01(\x0b\x32\x19.hookserve.v1.TensorChunkH\x00\x12$\n\x06status\x18\x05 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\t\n\x07payload*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*\x96\x01\n\tReduction\x12\x19\n\x15REDUCTION_UNSPECIFIED\x10\x00\x12\x12\n\x0eREDUCTION_NONE\x10\x01\x12\x16\n\x12REDUCTION_AVG_POOL\x10\x02\x12\x16\n\x12REDUCTION_MAX_POOL\x10\x03\x12\x15\n\x11REDUCTION_FLATTEN\x10\x04\x12\x13\n\x0fREDUCTION_STATS\x10\x05*\xb7\x02\n\x11\x41ttributionMethod\x12\"\n\x1e\x41TTRIBUTION_METHOD_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x41TTRIBUTION_METHOD_GRAD_CAM\x10\x01\x12 \n\x1c\x41TTRIBUTION_METHOD_HIRES_CAM\x10\x02\x12 \n\x1c\x41TTRIBUTION_METHOD_LAYER_CAM\x10\x03\x12\x1f\n\x1b\x41TTRIBUTION_METHOD_GRADIENT\x10\x04\x12\'\n#ATTRIBUTION_METHOD_GRADIENT_X_INPUT\x10\x05\x12+\n\'ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS\x10\x06\x12\"\n\x1e\x41TTRIBUTION_METHOD_SMOOTH_GRAD\x10\x07*q\n\x10\x41ttributionScore\x12!\n\x1d\x41TTRIBUTION_SCORE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41TTRIBUTION_SCORE_LOGIT\x10\x01\x12\x1d\n\x19\x41TTRIBUTION_SCORE_SOFTMAX\x10\x02*{\n\x13\x41ttributionBaseline\x12$\n ATTRIBUTION_BASELINE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x41TTRIBUTION_BASELINE_ZEROS\x10\x01\x12\x1e\n\x1a\x41TTRIBUTION_BASELINE_BLACK\x10\x02\x32\xaf\x03\n\x10\x46\x65\x61tureExtractor\x12J\n\x07\x45xtract\x12\x1c.hookserve.v1.ExtractRequest\x1a\x1d.hookserve.v1.ExtractResponse(\x01\x30\x01\x12R\n\x0c\x45xtractImage\x12!.hookserve.v1.ExtractImageRequest\x1a\x1d.hookserve.v1.ExtractResponse0\x01\x12P\n\tAttribute\x12\x1e.hookserve.v1.AttributeRequest\x1a\x1f.hookserve.v1.AttributeResponse(\x01\x30\x01\x12O\n\nListModels\x12\x1f.hookserve.v1.ListModelsRequest\x1a .hookserve.v1.ListModelsResponse\x12X\n\rDescribeModel\x12\".hookserve.v1.DescribeModelRequest\x1a#.hookserve.v1.DescribeModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chookserve/v1/hookserve.proto\x12\x0chookserve.v1\x1a\x17google/rpc/status.proto\"\x82\x01\n\x0cLayerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\treduction\x18\x02 \x01(\x0e\x32\x17.hookserve.v1.Reduction\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.hookserve.v1.DType\x12\x14\n\x0cl2_normalize\x18\x04 \x01(\x08\"\xcf\x01\n\rPreprocessing\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .hookserve.v1.Preprocessing.Mode\x12\x0e\n\x06resize\x18\x02 \x01(\r\x12\x13\n\x0b\x63rop_height\x18\x03 \x01(\r\x12\x12\n\ncrop_width\x18\x04 \x01(\r\"U\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x10\n\x0cMODE_DEFAULT\x10\x01\x12\x14\n\x10MODE_RESIZE_CROP\x10\x02\x12\x0f\n\x0bMODE_NATIVE\x10\x03\"\x7f\n\x0e\x45xtractionSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x06layers\x18\x02 \x03(\x0b\x32\x1a.hookserve.v1.LayerRequest\x12\x32\n\rpreprocessing\x18\x03 \x01(\x0b\x32\x1b.hookserve.v1.Preprocessing\"9\n\x08RawImage\x12\x0e\n\x06pixels\x18\x01 \x01(\x0c\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\"U\n\x05Image\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\x07\x65ncoded\x18\x02 \x01(\x0cH\x00\x12%\n\x03raw\x18\x03 \x01(\x0b\x32\x16.hookserve.v1.RawImageH\x00\x42\x06\n\x04\x64\x61ta\"o\n\x0e\x45xtractRequest\x12,\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.hookserve.v1.ExtractionSpecH\x00\x12$\n\x05image\x18\x02 \x01(\x0b\x32\x13.hookserve.v1.ImageH\x00\x42\t\n\x07payload\"e\n\x13\x45xtractImageRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.hookserve.v1.ExtractionSpec\x12\"\n\x05image\x18\x02 \x01(\x0b\x32\x13.hookserve.v1.Image\"\xa3\x01\n\x0bTensorChunk\x12\r\n\x05layer\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.hookserve.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0f\n\x07\x63olumns\x18\x07 \x03(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x08 \x01(\x08\"\x96\x01\n\x0f\x45xtractResponse\x12\x10\n\x08image_id\x18\x01 \x01(\t\x12\x13\n\x0bimage_index\x18\x02 \x01(\x04\x12+\n\x06tensor\x18\x03 \x01(\x0b\x32\x19.hookserve.v1.TensorChunkH\x00\x12$\n\x06status\x18\x04 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\t\n\x07payload\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.hookserve.v1.ModelInfo\"a\n\x0bWeightsInfo\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\npretrained\x18\x04 \x01(\x08\x12\x10\n\x08verified\x18\x05 \x01(\x08\"~\n\x11PreprocessingInfo\x12\x0e\n\x06resize\x18\x01 \x01(\r\x12\x13\n\x0b\x63rop_height\x18\x02 \x01(\r\x12\x12\n\ncrop_width\x18\x03 \x01(\r\x12\x0c\n\x04mean\x18\x04 \x03(\x02\x12\x0b\n\x03std\x18\x05 \x03(\x02\x12\x15\n\rinterpolation\x18\x06 \x01(\t\"\xc7\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12*\n\x07weights\x18\x03 \x01(\x0b\x32\x19.hookserve.v1.WeightsInfo\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.hookserve.v1.DType\x12\x36\n\rpreprocessing\x18\x06 \x01(\x0b\x32\x1f.hookserve.v1.PreprocessingInfo\"P\n\x14\x44\x65scribeModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cinput_height\x18\x02 \x01(\r\x12\x13\n\x0binput_width\x18\x03 \x01(\r\"\xcd\x01\n\tLayerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06module\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x14\n\x0coutput_shape\x18\x04 \x03(\x03\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.hookserve.v1.DType\x12\x17\n\x0f\x62ytes_per_image\x18\x06 \x01(\x04\x12\r\n\x05order\x18\x07 \x01(\r\x12\x13\n\x0binput_shape\x18\x08 \x03(\x03\x12\x1d\n\x15input_bytes_per_image\x18\t \x01(\x04\"\xd0\x01\n\x15\x44\x65scribeModelResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.hookserve.v1.ModelInfo\x12\x14\n\x0cinput_height\x18\x02 \x01(\r\x12\x13\n\x0binput_width\x18\x03 \x01(\r\x12\'\n\x06layers\x18\x04 \x03(\x0b\x32\x17.hookserve.v1.LayerInfo\x12 \n\x18gradient_bytes_per_image\x18\x05 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\"\x94\x03\n\x0f\x41ttributionSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\t\x12/\n\x06method\x18\x03 \x01(\x0e\x32\x1f.hookserve.v1.AttributionMethod\x12-\n\x05score\x18\x04 \x01(\x0e\x32\x1e.hookserve.v1.AttributionScore\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x32\n\rpreprocessing\x18\x06 \x01(\x0b\x32\x1b.hookserve.v1.Preprocessing\x12\x11\n\x04relu\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tnormalize\x18\x08 \x01(\x08\x12\x10\n\x08upsample\x18\t \x01(\x08\x12\x10\n\x08ig_steps\x18\n \x01(\r\x12\x36\n\x0big_baseline\x18\x0b \x01(\x0e\x32!.hookserve.v1.AttributionBaseline\x12\x12\n\nsg_samples\x18\x0c \x01(\r\x12\x10\n\x08sg_sigma\x18\r \x01(\x02\x12\x0f\n\x07sg_seed\x18\x0e \x01(\x04\x42\x07\n\x05_relu\"`\n\x0e\x41ttributeImage\x12\"\n\x05image\x18\x01 \x01(\x0b\x32\x13.hookserve.v1.Image\x12\x19\n\x0ctarget_class\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x0f\n\r_target_class\"{\n\x10\x41ttributeRequest\x12-\n\x04spec\x18\x01 \x01(\x0b\x32\x1d.hookserve.v1.AttributionSpecH\x00\x12-\n\x05image\x18\x02 \x01(\x0b\x32\x1c.hookserve.v1.AttributeImageH\x00\x42\t\n\x07payload\"E\n\nClassScore\x12\x13\n\x0b\x63lass_index\x18\x01 \x01(\r\x12\r\n\x05logit\x18\x02 \x01(\x02\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\"\x97\x01\n\x11\x41ttributionTarget\x12(\n\x06target\x18\x01 \x01(\x0b\x32\x18.hookserve.v1.ClassScore\x12\x0f\n\x07map_min\x18\x02 \x01(\x02\x12\x0f\n\x07map_max\x18\x03 \x01(\x02\x12\x1f\n\x12\x63ompleteness_delta\x18\x04 \x01(\x02H\x00\x88\x01\x01\x42\x15\n\x13_completeness_delta\"n\n\x12\x41ttributionSummary\x12\x30\n\x07targets\x18\x01 \x03(\x0b\x32\x1f.hookserve.v1.AttributionTarget\x12&\n\x04top5\x18\x02 \x03(\x0b\x32\x18.hookserve.v1.ClassScore\"\xca\x01\n\x11\x41ttributeResponse\x12\x10\n\x08image_id\x18\x01 \x01(\t\x12\x13\n\x0bimage_index\x18\x02 \x01(\x04\x12\x33\n\x07summary\x18\x03 \x01(\x0b\x32 .hookserve.v1.AttributionSummaryH\x00\x12(\n\x03map\x18\x04 \x01(\x0b\x32\x19.hookserve.v1.TensorChunkH\x00\x12$\n\x06status\x18\x05 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\t\n\x07payload*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*\x96\x01\n\tReduction\x12\x19\n\x15REDUCTION_UNSPECIFIED\x10\x00\x12\x12\n\x0eREDUCTION_NONE\x10\x01\x12\x16\n\x12REDUCTION_AVG_POOL\x10\x02\x12\x16\n\x12REDUCTION_MAX_POOL\x10\x03\x12\x15\n\x11REDUCTION_FLATTEN\x10\x04\x12\x13\n\x0fREDUCTION_STATS\x10\x05*\xb7\x02\n\x11\x41ttributionMethod\x12\"\n\x1e\x41TTRIBUTION_METHOD_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x41TTRIBUTION_METHOD_GRAD_CAM\x10\x01\x12 \n\x1c\x41TTRIBUTION_METHOD_HIRES_CAM\x10\x02\x12 \n\x1c\x41TTRIBUTION_METHOD_LAYER_CAM\x10\x03\x12\x1f\n\x1b\x41TTRIBUTION_METHOD_GRADIENT\x10\x04\x12\'\n#ATTRIBUTION_METHOD_GRADIENT_X_INPUT\x10\x05\x12+\n\'ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS\x10\x06\x12\"\n\x1e\x41TTRIBUTION_METHOD_SMOOTH_GRAD\x10\x07*q\n\x10\x41ttributionScore\x12!\n\x1d\x41TTRIBUTION_SCORE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41TTRIBUTION_SCORE_LOGIT\x10\x01\x12\x1d\n\x19\x41TTRIBUTION_SCORE_SOFTMAX\x10\x02*{\n\x13\x41ttributionBaseline\x12$\n ATTRIBUTION_BASELINE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x41TTRIBUTION_BASELINE_ZEROS\x10\x01\x12\x1e\n\x1a\x41TTRIBUTION_BASELINE_BLACK\x10\x02\x32\xaf\x03\n\x10\x46\x65\x61tureExtractor\x12J\n\x07\x45xtract\x12\x1c.hookserve.v1.ExtractRequest\x1a\x1d.hookserve.v1.ExtractResponse(\x01\x30\x01\x12R\n\x0c\x45xtractImage\x12!.hookserve.v1.ExtractImageRequest\x1a\x1d.hookserve.v1.ExtractResponse0\x01\x12P\n\tAttribute\x12\x1e.hookserve.v1.AttributeRequest\x1a\x1f.hookserve.v1.AttributeResponse(\x01\x30\x01\x12O\n\nListModels\x12\x1f.hookserve.v1.ListModelsRequest\x1a .hookserve.v1.ListModelsResponse\x12X\n\rDescribeModel\x12\".hookserve.v1.DescribeModelRequest\x1a#.hookserve.v1.DescribeModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hookserve.v1.hookserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3394
-  _globals['_DTYPE']._serialized_end=3482
-  _globals['_REDUCTION']._serialized_start=3485
-  _globals['_REDUCTION']._serialized_end=3635
-  _globals['_ATTRIBUTIONMETHOD']._serialized_start=3638
-  _globals['_ATTRIBUTIONMETHOD']._serialized_end=3949
-  _globals['_ATTRIBUTIONSCORE']._serialized_start=3951
-  _globals['_ATTRIBUTIONSCORE']._serialized_end=4064
-  _globals['_ATTRIBUTIONBASELINE']._serialized_start=4066
-  _globals['_ATTRIBUTIONBASELINE']._serialized_end=4189
+  _globals['_DTYPE']._serialized_start=3410
+  _globals['_DTYPE']._serialized_end=3498
+  _globals['_REDUCTION']._serialized_start=3501
+  _globals['_REDUCTION']._serialized_end=3651
+  _globals['_ATTRIBUTIONMETHOD']._serialized_start=3654
+  _globals['_ATTRIBUTIONMETHOD']._serialized_end=3965
+  _globals['_ATTRIBUTIONSCORE']._serialized_start=3967
+  _globals['_ATTRIBUTIONSCORE']._serialized_end=4080
+  _globals['_ATTRIBUTIONBASELINE']._serialized_start=4082
+  _globals['_ATTRIBUTIONBASELINE']._serialized_end=4205
   _globals['_LAYERREQUEST']._serialized_start=72
   _globals['_LAYERREQUEST']._serialized_end=202
   _globals['_PREPROCESSING']._serialized_start=205
@@ -59,39 +59,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXTRACTIMAGEREQUEST']._serialized_start=802
   _globals['_EXTRACTIMAGEREQUEST']._serialized_end=903
   _globals['_TENSORCHUNK']._serialized_start=906
-  _globals['_TENSORCHUNK']._serialized_end=1053
-  _globals['_EXTRACTRESPONSE']._serialized_start=1056
-  _globals['_EXTRACTRESPONSE']._serialized_end=1206
-  _globals['_LISTMODELSREQUEST']._serialized_start=1208
-  _globals['_LISTMODELSREQUEST']._serialized_end=1227
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1229
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1290
-  _globals['_WEIGHTSINFO']._serialized_start=1292
-  _globals['_WEIGHTSINFO']._serialized_end=1389
-  _globals['_PREPROCESSINGINFO']._serialized_start=1391
-  _globals['_PREPROCESSINGINFO']._serialized_end=1517
-  _globals['_MODELINFO']._serialized_start=1520
-  _globals['_MODELINFO']._serialized_end=1719
-  _globals['_DESCRIBEMODELREQUEST']._serialized_start=1721
-  _globals['_DESCRIBEMODELREQUEST']._serialized_end=1801
-  _globals['_LAYERINFO']._serialized_start=1804
-  _globals['_LAYERINFO']._serialized_end=2009
-  _globals['_DESCRIBEMODELRESPONSE']._serialized_start=2012
-  _globals['_DESCRIBEMODELRESPONSE']._serialized_end=2220
-  _globals['_ATTRIBUTIONSPEC']._serialized_start=2223
-  _globals['_ATTRIBUTIONSPEC']._serialized_end=2627
-  _globals['_ATTRIBUTEIMAGE']._serialized_start=2629
-  _globals['_ATTRIBUTEIMAGE']._serialized_end=2725
-  _globals['_ATTRIBUTEREQUEST']._serialized_start=2727
-  _globals['_ATTRIBUTEREQUEST']._serialized_end=2850
-  _globals['_CLASSSCORE']._serialized_start=2852
-  _globals['_CLASSSCORE']._serialized_end=2921
-  _globals['_ATTRIBUTIONTARGET']._serialized_start=2924
-  _globals['_ATTRIBUTIONTARGET']._serialized_end=3075
-  _globals['_ATTRIBUTIONSUMMARY']._serialized_start=3077
-  _globals['_ATTRIBUTIONSUMMARY']._serialized_end=3187
-  _globals['_ATTRIBUTERESPONSE']._serialized_start=3190
-  _globals['_ATTRIBUTERESPONSE']._serialized_end=3392
-  _globals['_FEATUREEXTRACTOR']._serialized_start=4192
-  _globals['_FEATUREEXTRACTOR']._serialized_end=4623
+  _globals['_TENSORCHUNK']._serialized_end=1069
+  _globals['_EXTRACTRESPONSE']._serialized_start=1072
+  _globals['_EXTRACTRESPONSE']._serialized_end=1222
+  _globals['_LISTMODELSREQUEST']._serialized_start=1224
+  _globals['_LISTMODELSREQUEST']._serialized_end=1243
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1245
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1306
+  _globals['_WEIGHTSINFO']._serialized_start=1308
+  _globals['_WEIGHTSINFO']._serialized_end=1405
+  _globals['_PREPROCESSINGINFO']._serialized_start=1407
+  _globals['_PREPROCESSINGINFO']._serialized_end=1533
+  _globals['_MODELINFO']._serialized_start=1536
+  _globals['_MODELINFO']._serialized_end=1735
+  _globals['_DESCRIBEMODELREQUEST']._serialized_start=1737
+  _globals['_DESCRIBEMODELREQUEST']._serialized_end=1817
+  _globals['_LAYERINFO']._serialized_start=1820
+  _globals['_LAYERINFO']._serialized_end=2025
+  _globals['_DESCRIBEMODELRESPONSE']._serialized_start=2028
+  _globals['_DESCRIBEMODELRESPONSE']._serialized_end=2236
+  _globals['_ATTRIBUTIONSPEC']._serialized_start=2239
+  _globals['_ATTRIBUTIONSPEC']._serialized_end=2643
+  _globals['_ATTRIBUTEIMAGE']._serialized_start=2645
+  _globals['_ATTRIBUTEIMAGE']._serialized_end=2741
+  _globals['_ATTRIBUTEREQUEST']._serialized_start=2743
+  _globals['_ATTRIBUTEREQUEST']._serialized_end=2866
+  _globals['_CLASSSCORE']._serialized_start=2868
+  _globals['_CLASSSCORE']._serialized_end=2937
+  _globals['_ATTRIBUTIONTARGET']._serialized_start=2940
+  _globals['_ATTRIBUTIONTARGET']._serialized_end=3091
+  _globals['_ATTRIBUTIONSUMMARY']._serialized_start=3093
+  _globals['_ATTRIBUTIONSUMMARY']._serialized_end=3203
+  _globals['_ATTRIBUTERESPONSE']._serialized_start=3206
+  _globals['_ATTRIBUTERESPONSE']._serialized_end=3408
+  _globals['_FEATUREEXTRACTOR']._serialized_start=4208
+  _globals['_FEATUREEXTRACTOR']._serialized_end=4639
 # @@protoc_insertion_point(module_scope)

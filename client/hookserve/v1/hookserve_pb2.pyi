@@ -152,7 +152,7 @@ class ExtractImageRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ExtractionSpec, _Mapping]] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("layer", "dtype", "shape", "total_bytes", "offset", "data", "columns")
+    __slots__ = ("layer", "dtype", "shape", "total_bytes", "offset", "data", "columns", "cached")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class TensorChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     layer: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -167,7 +168,8 @@ class TensorChunk(_message.Message):
     offset: int
     data: bytes
     columns: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, layer: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
+    cached: bool
+    def __init__(self, layer: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., columns: _Optional[_Iterable[str]] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class ExtractResponse(_message.Message):
     __slots__ = ("image_id", "image_index", "tensor", "status")

@@ -21,6 +21,7 @@ import weakref
 from concurrent.futures import Future
 
 from ..attribution_spec import AttributionSpec
+from ..cache.front import AnswerCache
 from ..capture.table import INPUT_SUFFIX, LayerInfo
 from ..errors import InvalidArgument, ModelNotFound
 from ..models import ServedModel
@@ -42,7 +43,8 @@ log = logging.getLogger("hookserve.engine")
 
 class Engine:
     def __init__(self, models: list[ServedModel], config: EngineConfig | None = None,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, cache: AnswerCache | None = None
+                 ) -> None:
         if not models:
             raise ValueError("an engine needs at least one model")
         self.config = config or EngineConfig()
@@ -55,8 +57,13 @@ class Engine:
             self.models[m.name] = m
         self.default_model = models[0].name
         self._admission = Admission(self.config.max_queue, self.config.queue_wait_s)
-        #: answer bytes reserved by all streams (each stream's budget is a child)
-        self.budget = Budget(self.config.max_buffer_bytes, "--max-buffer-bytes")
+        #: the answer cache (--cache-bytes, --cache-url), or None
+        self.cache = cache
+        #: answer bytes reserved by all streams (each stream's budget is a child); the
+        #: cache's bytes come out of --max-buffer-bytes too
+        held = cache.capacity if cache is not None else 0
+        self.budget = Budget(self.config.max_buffer_bytes - held, "--max-buffer-bytes"
+                             + (" less --cache-bytes" if held else ""))
         #: returns freed answer memory to the OS once work stops
         self.memory = MemoryReturn(busy=lambda: self._admission.admitted > 0)
         #: set by start_drain(): open streams stop taking new images
@@ -97,9 +104,13 @@ class Engine:
             pre = Preprocess(Mode.RESIZE_CROP, resize=max(h, w), crop_height=h, crop_width=w)
             spec = ExtractionSpec(m.name, (LayerSpec(last),), pre)
             img = ImageInput("warmup", raw=bytes(3), height=1, width=1)
-            for r in Session(self).run([spec, img]):
-                if r.error:
-                    raise r.error
+            cache, self.cache = self.cache, None  # warm the model, not the cache
+            try:
+                for r in Session(self).run([spec, img]):
+                    if r.error:
+                        raise r.error
+            finally:
+                self.cache = cache
 
     def start_drain(self) -> None:
         """Stop taking new images on open streams; admitted ones still finish, and
@@ -134,6 +145,8 @@ class Engine:
         for w in self._workers.values():
             w.close(end)
         self.memory.close()
+        if self.cache is not None:
+            self.cache.close()
 
     @property
     def admission(self) -> Admission:
@@ -230,7 +243,16 @@ class Engine:
 
     def submit(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan, call: CallState,
                fut: Future) -> None:
-        """Admit one image and start preparing it; `fut` gets its outputs or error."""
+        """Admit one image and start preparing it; `fut` gets its outputs or error.
+        With a cache, only what it does not hold is computed (cache/front.py)."""
+        if self.cache is not None:
+            self.cache.submit(spec, image, call, fut,
+                              lambda part, f: self._compute(part, image, plan, call, f))
+            return
+        self._compute(spec, image, plan, call, fut)
+
+    def _compute(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan,
+                 call: CallState, fut: Future) -> None:
         permit = self._admission.admit(call)
         permit.bind(fut)
         self._preparer.submit(spec, image, plan, call, fut,
