@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: What is read: every text file under these (generated stubs and results left out).
-SCANNED = ["README.md", "Dockerfile", "Makefile", "docs", "bench", "deploy", "scripts",
+SCANNED = ["README.md", "Dockerfile", "Makefile", ".ci", "docs", "bench", "deploy", "scripts",
            "proto", "service", "client/hookserve"]
 SUFFIXES = {".md", ".py", ".proto", ".txt", ".yml", ".yaml", ".toml", ".sh", ".cfg", ".ini",
             ".json", ""}
