@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helpers import assert_no_new_cycles, import_graph, module_imports, package_modules
+from helpers import (
+    assert_no_new_cycles,
+    import_cycles,
+    import_graph,
+    module_imports,
+    package_modules,
+)
 
 ROOT = Path(__file__).resolve().parent.parent / "client"
 PKG = ROOT / "hookserve"
@@ -33,3 +39,16 @@ def test_sdk_files_stay_small():
              for p in package_modules(ROOT, "hookserve", skip={"v1"}).values()}
     over = {k: v for k, v in sizes.items() if v > MAX_LINES}
     assert not over, f"split these files (over {MAX_LINES} lines): {over}"
+
+
+def test_the_import_graph_counts_type_checking_and_function_imports(tmp_path):
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from .b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from p import a\n    return a\n")
+    (pkg / "c.py").write_text("from . import b\n")
+    graph = import_graph(tmp_path, "p")
+    assert graph == {"p": set(), "p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": {"p.b"}}
+    assert import_cycles(graph) == [("p.a", "p.b")]
