@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from hookserve import errors
 from hookserve.batch.inputs import decode_name, encode_name, read_bytes
-from hookserve.batch.run import plan
+from hookserve.batch.local_run import plan
 from hookserve.batch.scheduler import Scheduler, Streams
 from hookserve.types import Layer
 

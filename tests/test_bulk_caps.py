@@ -147,7 +147,8 @@ import sys
 def st(k):
     return int(open("/proc/self/status").read().split(k)[1].split()[0]) * 1024
 from hookserve.batch.limits import Cap
-from hookserve.batch.shards import Shard, entries
+from hookserve.batch.readers import entries
+from hookserve.batch.shard_plan import Shard
 import pyarrow.parquet  # imported before the baseline: the library's own pages are not the reader's
 open("/proc/self/clear_refs", "w").write("5")
 base = st("VmRSS:")
@@ -255,7 +256,7 @@ _RUN_PEAK = """
 import sys
 def st(k):
     return int(open("/proc/self/status").read().split(k)[1].split()[0]) * 1024
-import hookserve.cli, hookserve.batch.run, hookserve.batch.sharded, pyarrow.parquet
+import hookserve.cli, hookserve.batch.local_run, hookserve.batch.sharded_run, pyarrow.parquet
 open("/proc/self/clear_refs", "w").write("5")
 base = st("VmRSS:")
 rc = hookserve.cli.main(sys.argv[1:])

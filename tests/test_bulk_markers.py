@@ -18,7 +18,7 @@ import pytest
 
 from hookserve.batch import run_shard
 from hookserve.batch.errors import EXIT_INCOMPLETE, FINAL_CODES, is_final
-from hookserve.batch.shardrun import ShardIncomplete
+from hookserve.batch.shard_output import ShardIncomplete
 
 from bulk_faults import FaultyFS, markers, read_out, run_batch, tar_bytes
 from conftest import encode, rand_image

@@ -26,7 +26,7 @@ import pytest
 
 from hookserve.batch import plan_shards, run_shard
 from hookserve.batch.remote import expand_braces, parse_storage_options
-from hookserve.batch.shards import select
+from hookserve.batch.shard_plan import select
 from hookserve.cli import main
 
 from conftest import encode, rand_image

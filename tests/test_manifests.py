@@ -207,7 +207,7 @@ def test_indexed_job_shards_the_data_set():
     ns = parser.parse_args(concrete)
     assert ns.command == "batch"
     # a sharded run: every pod shares one --out (parts and markers, no lock)
-    from hookserve.batch.shardrun import wants_shards
+    from hookserve.batch.command import wants_shards
     assert wants_shards(ns)
     assert "JOB_COMPLETION_INDEX" not in ns.out
 

@@ -53,6 +53,27 @@ def test_mapper_adds_layer_and_status_columns(server, client):
         assert np.isnan(col[3]).all()
 
 
+def test_column_shapes_follow_the_reduction_table(server, client):
+    """A module's input and a per-layer reduction: each column's shape is the one the
+    reduction gives (stats: [C, 5]), fixed even under --native when the reduction
+    does not follow the image's size; a reduction that does gives one array per row."""
+    from hookserve import Layer
+
+    images = [encode(rand_image(64, 80, seed=1)), encode(rand_image(72, 56, seed=2))]
+    layers = [Layer("layer2:input", "stats"), Layer("layer4", "avg")]
+    out = HookserveMapper(server.address, layers, native=True)({"image": images})
+    assert list(out["ok"]) == [True, True]
+    assert out["layer2:input"].shape == (2, 64, 5)   # layer1's 64 channels, 5 columns
+    assert out["layer4"].shape == (2, 512)
+    ref = list(client.extract_many(images, layers, native=True))
+    for i, r in enumerate(ref):
+        for name, arr in r.raise_for_error().items():
+            np.testing.assert_allclose(out[name][i], arr, rtol=1e-4, atol=1e-4)
+    varies = HookserveMapper(server.address, [Layer("layer4", "flatten")], native=True)
+    col = varies({"image": [images[0], encode(rand_image(160, 128, seed=3))]})["layer4"]
+    assert col.dtype == object and col[0].shape != col[1].shape
+
+
 def test_mapper_reads_paths_and_pandas(server, tmp_path):
     pd = pytest.importorskip("pandas")
     images = _images(2)

@@ -21,22 +21,10 @@ import numpy as np
 from . import errors
 from .endpoints import Endpoints
 from .extraction import Extraction, _Pending
+from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
 from .types import Size, build_preprocessing, parse_side, parse_size
 from .v1 import hookserve_pb2 as pb
 
-#: Method name -> wire enum. The CAM methods explain a layer; the others the input.
-METHODS = {
-    "grad_cam": pb.ATTRIBUTION_METHOD_GRAD_CAM,
-    "hires_cam": pb.ATTRIBUTION_METHOD_HIRES_CAM,
-    "layer_cam": pb.ATTRIBUTION_METHOD_LAYER_CAM,
-    "gradient": pb.ATTRIBUTION_METHOD_GRADIENT,
-    "gradient_x_input": pb.ATTRIBUTION_METHOD_GRADIENT_X_INPUT,
-    "integrated_gradients": pb.ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS,
-    "smooth_grad": pb.ATTRIBUTION_METHOD_SMOOTH_GRAD,
-}
-CAM_METHODS = ("grad_cam", "hires_cam", "layer_cam")
-SCORES = {"logit": pb.ATTRIBUTION_SCORE_LOGIT, "softmax": pb.ATTRIBUTION_SCORE_SOFTMAX}
-BASELINES = {"zeros": pb.ATTRIBUTION_BASELINE_ZEROS, "black": pb.ATTRIBUTION_BASELINE_BLACK}
 #: The layer a CAM method explains when none is given (ResNet's last block).
 DEFAULT_LAYER = "layer4"
 

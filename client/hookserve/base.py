@@ -27,6 +27,7 @@ from .attribution import (
 )
 from .endpoints import Endpoints
 from .extraction import Extraction, ImageCall
+from .retry import FIRST_BACKOFF, RETRIES
 from .types import ModelInfo, Size, build_spec
 from .v1 import hookserve_pb2 as pb
 
@@ -90,7 +91,8 @@ class ClientBase:
                  root_certificates: bytes | str | os.PathLike | None = None,
                  certificate_chain: bytes | str | os.PathLike | None = None,
                  private_key: bytes | str | os.PathLike | None = None,
-                 max_in_flight: int = 32, retries: int = 3, retry_backoff: float = 0.1,
+                 max_in_flight: int = 32, retries: int = RETRIES,
+                 retry_backoff: float = FIRST_BACKOFF,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
         token = token if token is not None else os.environ.get("HOOKSERVE_TOKEN")
         self._endpoints = Endpoints(

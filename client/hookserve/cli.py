@@ -15,8 +15,7 @@ from .cli_args import (
     unique_names,
     weights_text,
 )
-from .tensors import DTYPE_NAMES
-from .types import REDUCTIONS
+from .tables import DTYPES, REDUCTIONS
 
 #: Exit status after stdout was closed early (`hookserve describe | head`): 128 +
 #: SIGPIPE, what a shell reports for a program that the closed pipe ended.
@@ -140,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per layer: none (the whole tensor), avg or max (pooled over "
                         "space: one value per channel), flatten, stats (per channel: "
                         "mean, std, min, max, zero fraction) (default: %(default)s)")
-    s.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES),
+    s.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the arrays' type; bfloat16 arrives as uint16 bit patterns "
                         "(default: %(default)s)")
     s.add_argument("--l2-normalize", action="store_true",

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from .attribution import AUTO_LAYER, BASELINES, DEFAULT_LAYER, METHODS, SCORES
+from .attribution import AUTO_LAYER, DEFAULT_LAYER
 from .cli_args import (
     STREAM_TIMEOUT,
     add_connection_args,
@@ -31,6 +31,7 @@ from .cli_args import (
     unique_names,
 )
 from .overlay import SIGNS
+from .tables import BASELINES, METHODS, SCORES
 
 
 def add_attribute_parser(sub) -> None:

@@ -23,8 +23,8 @@ import numpy as np
 from . import errors
 from .attribution import AUTO_LAYER, Attribution
 from .base import ClientBase, deadline_of, health_request, health_status
-from .endpoints import RETRYABLE
 from .extraction import Extraction
+from .retry import RETRYABLE
 from .types import (
     Layer,
     LayerInfo,

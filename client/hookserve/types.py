@@ -1,7 +1,7 @@
 """The SDK's value types (Layer, Result, ModelInfo, ...) and their wire forms.
 
-The reduction and dtype names are listed once here (:data:`REDUCTIONS`) and in
-:mod:`.tensors` (:data:`~.tensors.DTYPE_NAMES`); the CLI's choices come from them.
+The reduction and dtype names come from :mod:`.tables` (derived from the proto enums),
+as the CLI's choices do.
 """
 
 from __future__ import annotations
@@ -13,27 +13,18 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .tensors import DTYPE_NAMES
+from .tables import DTYPE_FROM_WIRE, DTYPES, REDUCTIONS, split_port
 from .v1 import hookserve_pb2 as pb
 
 #: A size as the SDK and the CLI take it: "480x640" (HxW), "224" or 224 (a square), (h, w).
 Size = int | str | tuple[int, int]
-
-#: Reduction name -> wire enum, in the order the CLI lists them.
-REDUCTIONS = {
-    "none": pb.REDUCTION_NONE, "avg": pb.REDUCTION_AVG_POOL, "max": pb.REDUCTION_MAX_POOL,
-    "flatten": pb.REDUCTION_FLATTEN, "stats": pb.REDUCTION_STATS,
-}
-#: Columns of a "stats" result ``[C, 5]`` (the server also names them on the wire).
-STATS_COLUMNS = ("mean", "std", "min", "max", "zero_fraction")
-DTYPE_FROM_WIRE = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
 class Layer:
     """A requested layer with its reduction (none|avg|max|flatten|stats), dtype and L2
     option. "stats" gives float32 ``[C, 5]`` per channel (``[1, 5]`` for a vector):
-    :data:`STATS_COLUMNS`."""
+    :data:`~.tables.STATS_COLUMNS`."""
 
     name: str
     reduction: str = "none"
@@ -44,10 +35,10 @@ class Layer:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, "
                              f"got {self.reduction!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         return pb.LayerRequest(name=self.name, reduction=REDUCTIONS[self.reduction],
-                               dtype=DTYPE_NAMES[self.dtype], l2_normalize=self.l2_normalize)
+                               dtype=DTYPES[self.dtype], l2_normalize=self.l2_normalize)
 
 
 @dataclass
@@ -65,7 +56,7 @@ class Result:
     #: The typed error when this image failed; the iteration goes on regardless.
     error: errors.HookserveError | None = None
     #: Layer name -> names along its last dimension, for layers whose entries have
-    #: names (reduction "stats": :data:`STATS_COLUMNS`).
+    #: names (reduction "stats": :data:`~.tables.STATS_COLUMNS`).
     columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: The layers the server answered from its answer cache (the same image bytes,
     #: weights and spec were answered before) rather than computed for this image.
@@ -155,10 +146,8 @@ class ModelDescription:
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The tensor shape a layer request `name` returns before any reduction:
         the output's, or for ``"<layer>:input"`` that module's input's."""
-        base, _, port = name.rpartition(":")
-        if port == "input":
-            return self.layer(base).input_shape
-        return self.layer(name).shape
+        module, is_input = split_port(name)
+        return self.layer(module).input_shape if is_input else self.layer(module).shape
 
     @classmethod
     def from_proto(cls, r: pb.DescribeModelResponse) -> ModelDescription:

@@ -1,9 +1,10 @@
 """Reading one input shard's images, each one's cost known before it is paid.
 
-A reader yields :class:`Entry` objects in the shard's order. An entry says how many
-bytes reading it can cost (`bound`: the exact size from a stat, a tar header, a
-listing or a Parquet offset; or a first reservation for an object of unknown size)
-and reads only when asked (:meth:`Entry.start`), after the run has reserved those
+:func:`entries` reads a shard that :mod:`.shard_plan` planned. A reader yields
+:class:`Entry` objects in the shard's order. An entry says how many bytes reading it
+can cost (`bound`: the exact size from a stat, a tar header, a listing or a Parquet
+offset; or a first reservation for an object of unknown size) and reads only when
+asked (:meth:`Entry.start`), after the run has reserved those
 bytes (:class:`~.limits.ByteBudget`). An input over the per-file cap, a link member, a
 cell of the wrong kind: an entry with its error, nothing read.
 
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from .. import errors
-from .inputs import encode_name, is_image, read_bytes
-from .limits import Cap
+from .inputs import MAX_FILE_BYTES, encode_name, is_image, read_bytes
+from .limits import IN_FLIGHT_BYTES, Cap
 from .remote import STREAM_ERRORS, NeedMore, is_url, open_stream, read_object, storage_error
 
 #: Extensions of tar shards (compressed ones are decompressed as a stream).
@@ -242,7 +243,8 @@ def check_columns(source: str, schema, image_column: str, id_column: str | None)
     return leaf
 
 
-def _open_seekable(path: str, opts: dict):
+def open_seekable(path: str, opts: dict):
+    """A local file or an fsspec URL, opened for seeking reads (Parquet)."""
     if is_url(path):
         from .remote import filesystem
         fs, p = filesystem(path, opts)
@@ -267,7 +269,7 @@ def parquet_entries(shard, opts: dict, image_column: str, id_column: str | None,
 
     pq = need("pyarrow.parquet", "reading Parquet")
     try:
-        fh = _open_seekable(shard.source, opts)
+        fh = open_seekable(shard.source, opts)
     except Exception as exc:  # noqa: BLE001 - every store's errors become typed ones
         yield Entry(shard.key, error=storage_error(exc, shard.source))
         return
@@ -346,3 +348,21 @@ def _cells(col) -> Iterator:
                 yield None
             else:
                 yield values[int(index[i]) if index is not None else i].as_buffer()
+
+
+def entries(shard, *, opts: dict | None = None, image_column: str | None = None,
+            id_column: str | None = None, cap: Cap | None = None, timeout: float = 60.0,
+            max_group_bytes: int = IN_FLIGHT_BYTES) -> Iterator[Entry]:
+    """A :class:`~.shard_plan.Shard`'s images as :class:`Entry` objects, in a stable
+    order; one that cannot be read is an entry with its typed error, and the iteration
+    goes on. Nothing is read before the caller starts an entry."""
+    opts = opts or {}
+    cap = cap or Cap(MAX_FILE_BYTES)
+    if shard.kind == "tar":
+        return tar_entries(shard.source, opts, cap, timeout)
+    if shard.kind == "parquet":
+        if not image_column:
+            raise ShardError("a Parquet shard needs --image-column")
+        return parquet_entries(shard, opts, image_column, id_column, cap, max_group_bytes)
+    sizes = dict(zip(shard.files, shard.sizes, strict=False))  # none from a bare key
+    return file_entries(shard.files, sizes, opts, cap, timeout)

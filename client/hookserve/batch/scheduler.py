@@ -19,37 +19,17 @@ from __future__ import annotations
 import hashlib
 import heapq
 import queue
-import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
-import grpc
-
 from .. import errors
+from ..retry import RETRY_STREAM, RetryPolicy
 from .errors import Abort
 from .inputs import MAX_FILE_BYTES, encode_name, read_bytes
 from .limits import IN_FLIGHT_BYTES, Cap
 from .streamcall import Watchdog, extract_many
-
-#: Per-image codes worth another try (possibly on another server).
-RETRY_IMAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-#: Call-level codes after which the stream's unanswered images are re-queued.
-RETRY_STREAM = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def retryable(error) -> bool:
-    """UNAVAILABLE, or RESOURCE_EXHAUSTED from overload (it carries a retry hint); the
-    size limits' RESOURCE_EXHAUSTED would fail again, so it is final."""
-    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return error.retry_after_s is not None
-    return error.code in RETRY_IMAGE
-
-
-def backoff(attempt: int) -> float:
-    return min(5.0, 0.1 * (2 ** attempt)) * (0.5 + random.random() / 2)
 
 
 @dataclass
@@ -193,6 +173,7 @@ class Streams:
         self.opts = opts
         self.model = model
         self.retries = retries
+        self.policy = RetryPolicy(retries)
         self.window = window
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.fatal: BaseException | None = None
@@ -253,17 +234,17 @@ class Streams:
                             self.results.put((item, None, exc))
                         else:
                             self.retried += 1
-                            sched.requeue(item, backoff(item.attempts))
+                            sched.requeue(item, self.policy.backoff(item.attempts))
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             self._fail(exc)
 
     def _answer(self, item: Item, features, error) -> None:
         with self.sched.cond:
             self.sched.stream_failures = 0
-        if error is not None and retryable(error) and item.attempts < self.retries:
+        delay = self.policy.image_delay(error, item.attempts)
+        if delay is not None:
             item.attempts += 1
             self.retried += 1
-            delay = error.retry_after_s if error.retry_after_s else backoff(item.attempts)
             self.sched.requeue(item, delay)
             return
         self.results.put((item, features, error))
