@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[server,batch,dev]'
+	$(PY) -m pip install -q -e '.[server,batch,dev,http,oip-clients]'
 	touch $(STAMP)
 
 .PHONY: setup serve test test-slow test-ray lint proto bench bench-quick docker-smoke clean

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import errors
+from . import errors, wire
 from .endpoints import Endpoints
 from .extraction import Extraction, _Pending
 from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
@@ -200,28 +200,24 @@ class AttributionRun(Extraction):
         #: True when `geometry` needs the model's default preprocessing (ListModels)
         self.default_geometry = False
 
-    def admit(self, obj: Any) -> _Pending:
-        p = super().admit(obj)
-        if self.targets is not None:
-            missing = object()
-            t = next(self.targets, missing)
-            if t is missing:
-                raise ValueError(
-                    f"targets has fewer items than images (ran out at image {p.index})")
-            if t is not None and (isinstance(t, bool) or int(t) != t):
-                raise ValueError(f"target of image {p.index} must be a class index or None, "
-                                 f"got {t!r}")
-            p.extra = None if t is None else int(t)
-        return p
+    def _extra(self, index: int) -> int | None:
+        """Image `index`'s target: a class index, or None."""
+        if self.targets is None:
+            return None
+        missing = object()
+        t = next(self.targets, missing)
+        if t is missing:
+            raise ValueError(f"targets has fewer items than images (ran out at image {index})")
+        if t is not None and (isinstance(t, bool) or int(t) != t):
+            raise ValueError(f"target of image {index} must be a class index or None, "
+                             f"got {t!r}")
+        return None if t is None else int(t)
+
+    def _encode(self, obj: Any, wire_id: str, extra: int | None) -> bytes:
+        return wire.attribute_request(obj, wire_id, extra)
 
     def _spec_request(self) -> Any:
         return pb.AttributeRequest(spec=self.spec)
-
-    def _image_request(self, p: _Pending) -> Any:
-        image = pb.AttributeImage(image=p.image)
-        if p.extra is not None:
-            image.target_class = p.extra
-        return pb.AttributeRequest(image=image)
 
     def _reset(self) -> None:
         super()._reset()

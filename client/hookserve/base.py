@@ -30,25 +30,17 @@ from .extraction import Extraction, ImageCall
 from .retry import FIRST_BACKOFF, RETRIES
 from .types import ModelInfo, Size, build_spec
 from .v1 import hookserve_pb2 as pb
+from .wire import varint
 
 _HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def health_request(service: str) -> bytes:
     """grpc.health.v1.HealthCheckRequest, encoded by hand (the SDK needs no extra
     package for two tiny messages)."""
     svc = service.encode()
-    return (b"\x0a" + _varint(len(svc)) + svc) if svc else b""
+    return (b"\x0a" + varint(len(svc)) + svc) if svc else b""
 
 
 def health_status(raw: bytes) -> str:

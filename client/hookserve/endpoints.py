@@ -28,6 +28,7 @@ import grpc.experimental
 from . import errors
 from .retry import FIRST_BACKOFF, RETRIES, RETRYABLE, RetryPolicy
 from .v1 import hookserve_pb2_grpc as pb_grpc
+from .wire import Stub
 
 T = TypeVar("T")
 
@@ -122,7 +123,7 @@ class Endpoints:
                         o.append(("grpc.lb_policy_name", "round_robin"))
                     channels.append(lib.secure_channel(addr, self._creds, options=o)
                                     if self._creds else lib.insecure_channel(addr, options=o))
-                self._stubs = [pb_grpc.FeatureExtractorStub(c) for c in channels]
+                self._stubs = [Stub(c) for c in channels]
                 self._channels = channels
             return self._channels
 

@@ -61,7 +61,9 @@ def check(args: argparse.Namespace, pre: Checked | None = None):
         max_receive_message_bytes=args.max_message_bytes, chunk_bytes=args.chunk_bytes,
         tls_cert=pre.tls_cert, tls_key=pre.tls_key, tls_client_ca=pre.tls_client_ca,
         auth_token=pre.auth_token, max_side_streams=args.max_side_streams,
-        stream_idle_seconds=args.stream_idle_seconds)
+        stream_idle_seconds=args.stream_idle_seconds, http_port=args.http_port,
+        http_tls_files=(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.tls_cert else None)
     return pre.names, weights, device, options
 
 
@@ -151,6 +153,9 @@ def start(args: argparse.Namespace, pre: Checked | None = None,
         log.warning("%s", warning)
     log.info("hookserve listening on %s:%d (models: %s; health SERVING)", server.opts.host,
              server.port, ", ".join(engine.models))
+    if server.http is not None:
+        log.info("Open Inference Protocol REST routes on %s:%d (/v2)", server.opts.host,
+                 server.http.port)
     return server
 
 

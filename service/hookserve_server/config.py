@@ -208,6 +208,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--stream-idle-seconds", default=300.0, type=float, metavar="S",
          help="cancel a health Watch or reflection stream after this long with no "
               "message either way (work calls are never cut for silence); 0: never")
+    _add(g, "--http-port", type=int, metavar="PORT",
+         help="also serve the Open Inference Protocol's REST routes (KServe v2: /v2/...) "
+              "on this port (0 picks one), on the same host, token and TLS; off when "
+              "unset. Needs the http extra (starlette, uvicorn)")
     _add(g, "--max-message-bytes", default=64 * MiB, type=int, metavar="BYTES",
          help="largest request message the server accepts (one encoded image plus "
               "framing); larger ones get RESOURCE_EXHAUSTED")

@@ -165,6 +165,12 @@ def preflight(args: argparse.Namespace) -> Checked:
         import prometheus_client  # noqa: F401  (the server extra's: missing, say so now)
 
         check_bindable(mhost, args.metrics_port, "--metrics-port")
+    if args.http_port is not None:
+        import importlib.util
+        if not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
+            raise ConfigError("--http-port needs the http extra: pip install "
+                              "'hookserve[http]' (starlette, uvicorn)")
+        check_bindable(host, args.http_port, "--http-port")
     return checked
 
 
@@ -203,7 +209,7 @@ def check_ranges(args: argparse.Namespace) -> None:
                  "stream_idle_seconds"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
-    for name in ("port", "metrics_port"):
+    for name in ("port", "metrics_port", "http_port"):
         port = getattr(args, name)
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} {port} is not a port: use 0 to "

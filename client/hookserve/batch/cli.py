@@ -36,8 +36,9 @@ outputs (by the extension of --out):
                 out.h5.parts/; at the end it becomes one self-contained file.
   .parquet      a folder of Parquet parts (one row per image, a fixed-size list
                 column per layer; needs 1-D features: --reduction avg|max|flatten).
-  otherwise     a folder: <layer>/<path>.npy per image and layer, index.jsonl,
-                hookserve.json.
+  .npy, no suffix or a trailing /
+                a folder: <layer>/<path>.npy per image and layer, index.jsonl,
+                hookserve.json. Any other suffix is an error (exit code 2).
 
 resume: run the same command again. Images already written are skipped (matched by
 path, and checked against the file's size and mtime); failed and missing images are
@@ -75,7 +76,9 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         "recurses; quote it), a .txt/.lst list of paths, a .csv/.tsv/"
                         ".parquet table with a path column, or an image file")
     p.add_argument("--out", required=True,
-                   help="output: NAME.h5, NAME.parquet, or a folder for .npy files")
+                   help="output: NAME.h5 (or .hdf5), NAME.parquet, or a folder of .npy "
+                        "files (NAME.npy, no suffix, or ending in /); any other suffix is "
+                        "an error")
     p.add_argument("--layers", action="append", required=True,
                    help="layer names, comma-separated or repeated; NAME:REDUCTION sets a "
                         "reduction per layer (e.g. layer4:avg,fc,layer3:input:stats)")

@@ -16,12 +16,12 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from .. import errors
+from .. import errors, wire
 from ..retry import RETRY_STREAM, RetryPolicy
 from .defaults import DEFAULTS, LOCAL_ONLY
 from .errors import Abort
 from .intake import Intake
-from .limits import ByteBudget, Cap, check_flags
+from .limits import ByteBudget, Cap, LastRequest, check_flags
 from .readers import entries
 from .remote import MissingExtra, set_store_timeout
 from .shard_output import ShardIncomplete, ShardOutput, ShardResult
@@ -151,23 +151,30 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
             retry: list = []
             sent: dict[str, tuple] = {}
             ids: deque[str] = deque()
+            last = LastRequest(intake.release)
 
-            def images(sent=sent, ids=ids):
+            def images(sent=sent, ids=ids, last=last):
                 while True:
                     if todo:
                         pos, iid, data, att = todo.popleft()
                     else:
-                        got = intake.next(may_wait=not sent)
+                        # Wait for budget only before this stream's first image: later,
+                        # end the pass (gRPC lets go of its last request) and wait then.
+                        got = intake.next(may_wait=last.key is None)
                         if got is None:
                             return
-                        pos, iid, data = got
+                        (pos, iid, data), got = got, None
                         att = 0
                         if isinstance(data, errors.HookserveError):  # could not be read
                             done[pos] = (iid, data)
                             continue
+                        # Once encoded, the payload is a view of its request: the read
+                        # buffer is freed, the input held once (retries included).
+                        data = wire.Payload(data)
                     sid = f"{pos}#{att}"  # unique per stream, also for a retry
                     sent[sid] = (pos, iid, data, att)
                     ids.append(sid)
+                    last.handed(sid)
                     yield data
 
             answered = 0
@@ -181,9 +188,11 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
                     if delay is not None:
                         retry.append((delay, (pos, iid, data, att + 1)))
                     else:
-                        intake.release(len(data))
+                        if not last.answered(r.id, len(data)):
+                            intake.release(len(data))
                         done[pos] = (iid, r.error if r.error is not None else
-                                     (hashlib.sha256(data).hexdigest(), r.features))
+                                     (hashlib.sha256(data.data).hexdigest(), r.features))
+                    del data  # an answered input is held no longer than its budget
             except errors.HookserveError as exc:
                 failed_passes = 0 if answered else failed_passes + 1
                 if exc.code not in RETRY_STREAM or failed_passes > retries:
@@ -194,8 +203,11 @@ def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None
                         done[pos] = (iid, exc)
                     else:
                         retry.append((policy.backoff(att + 1), (pos, iid, data, att + 1)))
+                data = None
                 if not retry:
                     time.sleep(policy.backoff(failed_passes))
+            finally:
+                last.let_go()  # the pass's stream is over
             if retry:
                 time.sleep(max(d for d, _ in retry))  # back off before the retry pass
                 todo.extend(item for _, item in sorted(retry, key=lambda x: x[1][0]))

@@ -189,15 +189,26 @@ def tar_entries(path: str, opts: dict, cap: Cap, timeout: float) -> Iterator[Ent
         yield Entry(f"{path}/", error=err)
 
 
-def _member_reader(tf: tarfile.TarFile, m: tarfile.TarInfo) -> Callable[[], bytes]:
-    def read() -> bytes:
+#: A tar member is read in pieces of this size into one buffer of its size: a streamed
+#: tar's own read of a whole member holds it two or three times over.
+MEMBER_PIECE = 1 << 20
+
+
+def _member_reader(tf: tarfile.TarFile, m: tarfile.TarInfo) -> Callable[[], bytearray]:
+    def read() -> bytearray:
+        data, n = bytearray(m.size), 0
         try:
             src = tf.extractfile(m)
-            data = src.read() if src is not None else b""
+            while src is not None and n < m.size:
+                piece = src.read(min(MEMBER_PIECE, m.size - n))
+                if not piece:
+                    break
+                data[n:n + len(piece)] = piece
+                n += len(piece)
         except (tarfile.TarError, zlib.error, *STREAM_ERRORS) as exc:
             raise data_loss(f"the member could not be read: {exc}") from None
-        if len(data) != m.size:
-            raise data_loss(f"the member is cut short: {len(data)} of {m.size} bytes")
+        if n != m.size:
+            raise data_loss(f"the member is cut short: {n} of {m.size} bytes")
         return data
     return read
 

@@ -28,7 +28,7 @@ from .. import errors
 from ..retry import RETRY_STREAM, RetryPolicy
 from .errors import Abort
 from .inputs import MAX_FILE_BYTES, encode_name, read_bytes
-from .limits import IN_FLIGHT_BYTES, Cap
+from .limits import IN_FLIGHT_BYTES, Cap, LastRequest
 from .streamcall import Watchdog, extract_many
 
 
@@ -92,6 +92,14 @@ class Scheduler:
                 wait = self.retry[0][0] - now if self.retry else None
                 self.cond.wait(timeout=wait)
 
+    def hold(self, nbytes: int) -> None:
+        """Count `nbytes` more input bytes as held (negative: fewer), besides the items
+        taken: an answered image whose request gRPC still holds (:class:`Feed`)."""
+        with self.cond:
+            self.bytes += nbytes
+            if nbytes < 0:
+                self.cond.notify_all()
+
     def requeue(self, item: Item, delay: float) -> None:
         with self.cond:
             heapq.heappush(self.retry, (time.monotonic() + delay, item))
@@ -115,9 +123,11 @@ class Feed:
     """The image and id iterables of one extract_many stream.
 
     extract_many pulls the next image only when its window has room, and calls
-    next(ids) right after next(images). The feed must never block while this stream
-    has unanswered images (their answers are read by the same thread), so then it
-    ends the stream instead; the worker opens a new one.
+    next(ids) right after next(images). The feed never blocks: when no item is
+    available now it ends the stream, and the worker waits for one with no stream open.
+
+    An answered image's bytes stay counted in the scheduler's while gRPC still holds
+    its request (:class:`~.limits.LastRequest`).
     """
 
     def __init__(self, sched: Scheduler, first: Item, failed, cap: Cap) -> None:
@@ -127,13 +137,23 @@ class Feed:
         self._ids: deque[str] = deque()
         self.failed = failed            # failed(item, error): a file that cannot be read
         self.cap = cap
+        self.last = LastRequest(lambda n: sched.hold(-n))
+
+    def answered(self, item: Item) -> None:
+        """`item` got its answer (the writer gives its bytes back once it is written)."""
+        if self.last.answered(item.pos, item.size):
+            self.sched.hold(item.size)
+
+    def let_go(self) -> None:
+        """The stream ended: gRPC holds none of its requests."""
+        self.last.let_go()
 
     def images(self):
         while True:
             if self.first is not None:
                 item, self.first = self.first, None
             else:
-                item = self.sched.take(block=not self.pending)
+                item = self.sched.take(block=False)
                 if item is None or item is DONE:
                     return
             try:  # a FIFO, device, vanished or changed file fails here, never blocks
@@ -148,7 +168,12 @@ class Feed:
             self.pending[sid] = item
             self._ids.append(sid)
             item.sha256 = hashlib.sha256(data).hexdigest()
-            yield data
+            self.last.handed(item.pos)  # replaces the last request in gRPC's hands
+            # Handed on unbound (this frame keeps no reference while it waits): once
+            # encoded into its request, the read buffer is freed.
+            held = [data]
+            del data
+            yield held.pop()
 
     def ids(self):
         while True:
@@ -216,6 +241,7 @@ class Streams:
                         item = feed.pending.pop(r.id, None)
                         if item is None:  # not ours (cannot happen): never write twice
                             continue
+                        feed.answered(item)
                         self._answer(item, r.features, r.error)
                 except errors.HookserveError as exc:
                     unanswered = list(feed.pending.values())
@@ -235,6 +261,8 @@ class Streams:
                         else:
                             self.retried += 1
                             sched.requeue(item, self.policy.backoff(item.attempts))
+                finally:
+                    feed.let_go()  # the stream is over: gRPC holds none of its requests
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             self._fail(exc)
 
