@@ -14,6 +14,7 @@ import ast
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -148,6 +149,43 @@ def rss() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+# -- deployment files ---------------------------------------------------------------------
+
+#: gRPC probes are GA from 1.27; the newest schema bundled with kubernetes-validate.
+K8S_VERSIONS = ("1.27.0", "1.37.0")
+
+
+def tool(name: str) -> str:
+    """A command-line tool of the dev extra: the venv's, else PATH's; skips without it."""
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if not found:
+        pytest.skip(f"{name} is not installed (pip install -e '.[dev]')")
+    return found
+
+
+def kubernetes_validate(files: list[str], version: str) -> None:
+    """Every manifest in `files` passes kubernetes-validate --strict for `version`."""
+    p = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", version, *files],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("passed") == len(files), p.stdout
+
+
+def serve_flags() -> set[str]:
+    """Every option string of `hookserve serve`."""
+    from hookserve.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    return {s for a in serve._actions for s in a.option_strings}
+
+
+def env_names() -> set[str]:
+    """The HOOKSERVE_* variable of each `hookserve serve` flag."""
+    return {"HOOKSERVE_" + f[2:].upper().replace("-", "_") for f in serve_flags()
+            if f.startswith("--") and not f.startswith("--no-") and f != "--help"}
 
 
 # -- the wire, by raw stubs ---------------------------------------------------------------
@@ -310,6 +348,7 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
     ("hookserve_server.engine.attribute", "hookserve_server.engine.limits",
      "hookserve_server.engine.types"),
     ("hookserve_server.engine.core", "hookserve_server.engine.session"),
+    ("hookserve_server.oip.attribution", "hookserve_server.oip.infer"),
 }
 
 

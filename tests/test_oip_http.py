@@ -16,6 +16,7 @@ import pytest
 import hookserve
 
 from conftest import RunningServer, encode, rand_image
+from helpers import ServeProcess, small_server
 
 pytest.importorskip("starlette", reason="pip install hookserve[http]")
 pytest.importorskip("uvicorn", reason="pip install hookserve[http]")
@@ -23,8 +24,7 @@ httpclient = pytest.importorskip("tritonclient.http",
                                  reason="pip install hookserve[oip-clients]")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-       "--max-batch-delay-ms", "2", "--http-port", "0"]
+R18 = small_server("--max-batch-delay-ms", "2", "--http-port", "0")
 IMAGES = [encode(rand_image(40 + 8 * i, 48, seed=i)) for i in range(3)]
 
 
@@ -162,9 +162,8 @@ def test_hookserve_serve_process_with_both_front_doors():
     import signal
 
     import tritonclient.grpc as grpcclient
-    from test_faults import ServeProcess
-    proc = ServeProcess("--model", "resnet18", "--weights", "random", "--seed", "0",
-                        "--http-port", "0")
+
+    proc = ServeProcess(*small_server("--http-port", "0"))
     try:
         line = ""
         while "REST routes on" not in line:
