@@ -262,7 +262,7 @@ def test_cancelling_the_iterator_cancels_the_call(make_server, how):
                     await task
             # waited for in a thread: the loop goes on meanwhile
             for cond, what in [(lambda: calls(s, "CANCELLED") == 1, "the call to be cancelled"),
-                               (lambda: s.server.servicer.open_streams == 0, "no open stream"),
+                               (lambda: s.server.stream_caps.work_streams == 0, "no open stream"),
                                (lambda: s.engine.queued == 0, "queued images dropped")]:
                 await asyncio.to_thread(wait_until, cond, 30, what)
             # The window bounds what was sent: nothing beyond it was computed.

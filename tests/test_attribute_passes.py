@@ -15,8 +15,8 @@ import torch
 
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve_server.attribution_spec import AttributeInput, AttributionSpec, Method
+from hookserve_server.engine.config import EngineConfig
 from hookserve_server.engine.core import Engine
-from hookserve_server.engine.types import EngineConfig
 from hookserve_server.models import ServedModel, build_model
 from hookserve_server.spec import Mode, Preprocess
 

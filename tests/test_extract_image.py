@@ -196,7 +196,7 @@ def test_calls_count_against_max_streams_and_cancel_frees_them(make_server, capl
     channels = [grpc.insecure_channel(s.address) for _ in range(2)]
     held = [pb_grpc.FeatureExtractorStub(ch).ExtractImage(big, timeout=60) for ch in channels]
     try:
-        wait_until(lambda: s.server.servicer.open_streams == 2, what="two held calls")
+        wait_until(lambda: s.server.stream_caps.work_streams == 2, what="two held calls")
         with s.client(timeout=10, retries=0) as c:
             with pytest.raises(hookserve.errors.ResourceExhausted) as e:
                 c.extract(rand_image(32, 32), "features.3", reduction="avg")
@@ -205,7 +205,7 @@ def test_calls_count_against_max_streams_and_cancel_frees_them(make_server, capl
         with caplog.at_level(logging.ERROR, logger="hookserve"):
             for call in held:
                 call.cancel()
-            wait_until(lambda: s.server.servicer.open_streams == 0, what="cancels to end")
+            wait_until(lambda: s.server.stream_caps.work_streams == 0, what="cancels to end")
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         for ch in channels:
@@ -231,7 +231,7 @@ def test_side_stream_caps_do_not_apply(make_server):
     channels = [grpc.insecure_channel(s.address) for _ in range(3)]
     held = [pb_grpc.FeatureExtractorStub(ch).ExtractImage(big, timeout=60) for ch in channels]
     try:
-        wait_until(lambda: s.server.servicer.open_streams == 3, what="three held calls")
+        wait_until(lambda: s.server.stream_caps.work_streams == 3, what="three held calls")
         # Each is then read to its end: none was refused or cut for idling.
         for call in held:
             assert sum(len(m.tensor.data) for m in call) == 64 * 224 * 224 * 4
@@ -242,7 +242,7 @@ def test_side_stream_caps_do_not_apply(make_server):
 
 def test_drain_refuses_new_calls_and_the_sdk_moves_to_another_address(make_server):
     a, b = make_server(*R18, *METRICS), make_server(*R18, *METRICS)
-    a.server.servicer.start_drain()
+    a.server.stream_caps.start_drain(a.server.engine.start_drain)
     msgs, code, details = call_raw(a.address, raw_request(png_image()))
     assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
     with hookserve.Client([a.address, b.address], timeout=60) as c:

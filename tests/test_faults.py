@@ -137,7 +137,7 @@ def test_cancel_mid_stream_drops_queued_work_and_others_dont_notice(make_server,
     for r in other:
         np.testing.assert_allclose(r.features["layer4"], reference, rtol=1e-4, atol=1e-5)
     wait_until(lambda: s.engine.queued == 0, what="admitted images to be dropped")
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the cancelled call to end")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0, what="the cancelled call to end")
     # Of the 60 cancelled images, most never reached the model.
     cancelled_work = computed(s) - base - 20
     assert 1 <= cancelled_work < 30, cancelled_work
@@ -192,11 +192,12 @@ def test_killed_client_process_costs_nothing(make_server):
                          stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "answered"
-        wait_until(lambda: s.server.servicer.open_streams == 1, what="the call to be open")
+        wait_until(lambda: s.server.stream_caps.work_streams == 1, what="the call to be open")
     finally:
         p.kill()                                        # SIGKILL: no goodbye on the wire
         p.wait(30)
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the server to see the disconnect")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0,
+               what="the server to see the disconnect")
     wait_until(lambda: s.engine.queued == 0, what="the dead client's images to be dropped")
     assert computed(s) - base < 30
     assert s.engine.hook_count() == 0
@@ -216,7 +217,7 @@ def test_work_for_an_expired_call_is_not_started(make_server):
     stream.close()
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: s.engine.queued == 0, what="expired images to be dropped")
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the expired call to end")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0, what="the expired call to end")
     done = computed(s) - base
     assert done < n // 2, f"{done} of {n} images computed for an expired call"
     assert len(codes) <= done
@@ -228,7 +229,7 @@ def test_sdk_deadline_is_a_typed_error(make_server):
         with pytest.raises(hookserve.errors.DeadlineExceeded):
             c.extract(rand_image(224, 224), "layer4")
     wait_until(lambda: s.engine.queued == 0, what="the queue to empty")
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the call to end")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0, what="the call to end")
 
 
 # -- slow reader -------------------------------------------------------------------------
@@ -305,7 +306,7 @@ def test_max_streams_limits_concurrent_calls(make_server):
     try:
         for h in held:
             h.send(spec_req())
-        wait_until(lambda: s.server.servicer.open_streams == 2, what="two open calls")
+        wait_until(lambda: s.server.stream_caps.work_streams == 2, what="two open calls")
         with s.client(timeout=10, retries=0) as c:
             with pytest.raises(hookserve.errors.ResourceExhausted) as e:
                 c.extract(rand_image(32, 32), "layer4", reduction="avg")
@@ -320,7 +321,7 @@ def test_max_streams_limits_concurrent_calls(make_server):
     finally:
         for h in held:
             h.close()
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the held calls to end")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0, what="the held calls to end")
     with s.client(timeout=30) as c:
         assert c.extract(rand_image(32, 32), "layer4", reduction="avg")["layer4"].shape == (512,)
 

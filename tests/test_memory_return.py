@@ -48,7 +48,7 @@ def storm(address: str, clients: int = 15, images: int = 4) -> None:
 
 def wait_idle(s) -> None:
     """Until no Extract call runs, no image is admitted, and freed memory was returned."""
-    assert s.server.servicer.wait_idle(60)
+    assert s.server.stream_caps.wait_idle(60)
     assert s.engine.admission.wait_empty(60)
     # With the garbage collector off (fixture no_gc), a session caught in a reference
     # cycle would never go: this would time out.

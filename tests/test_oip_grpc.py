@@ -294,7 +294,7 @@ def test_metrics_by_method_and_drain(make_server):
     c.start_stream(callback=lambda result, error: answers.put((result, error)))
     c.async_stream_infer("resnet18", [image_input([encode(IMAGES[0])])])
     assert answers.get(timeout=120)[1] is None
-    s.server.servicer.start_drain()
+    s.server.stream_caps.start_drain(s.server.engine.start_drain)
     # an open stream: its next request is refused, and the stream ends
     c.async_stream_infer("resnet18", [image_input([encode(IMAGES[0])])])
     result, error = answers.get(timeout=120)

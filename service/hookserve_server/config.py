@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .spec import DType
+
 MiB = 1 << 20
 
 #: Served architectures (--model): any name ``torchvision.models.get_model`` knows works
@@ -181,7 +183,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="seed of random weights (--weights random, and auto's fallback)")
     _add(g, "--device", default="auto",
          help="auto (cuda:0 when CUDA is available, else cpu), cpu, or cuda:N")
-    _add(g, "--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+    _add(g, "--dtype", default="float32", choices=[d.label for d in DType],
          help="dtype the models compute in (float16/bfloat16 are meant for GPUs)")
     _add(g, "--channels-last", default=False, is_bool=True,
          help="run convolutions in channels_last memory format (faster on GPUs)")

@@ -16,12 +16,13 @@ from grpc_reflection.v1alpha import reflection
 from hookserve.v1 import hookserve_pb2 as pb
 
 from .allocator import keep_large_buffers_on_heap
+from .calls import Calls
 from .engine import Engine
 from .oip import servicer as oip
 from .oip.infer import Inference
 from .preflight import MAX_SEND_MESSAGE_BYTES
 from .servicer import Servicer
-from .stream_caps import SIDE_STREAMS, WORK_STREAMS, StreamCaps, same_shape
+from .stream_caps import SIDE_STREAMS, StreamCaps, same_shape
 
 log = logging.getLogger("hookserve.server")
 
@@ -44,7 +45,8 @@ class ServerOptions:
     tls_key: bytes | None = None
     tls_client_ca: bytes | None = None
     auth_token: str | None = None
-    #: open calls of each streaming method other than Extract (health Watch, reflection)
+    #: open calls of each streaming method other than the work calls (health Watch,
+    #: reflection)
     max_side_streams: int = 16
     #: side streams with no message either way for this long are cancelled (0: never)
     stream_idle_seconds: float = 300.0
@@ -129,17 +131,17 @@ class HookServer:
         self.engine = engine
         self.opts = opts
         keep_large_buffers_on_heap()  # streamed chunks: see allocator.py
-        self.servicer = Servicer(engine, engine.telemetry, chunk_bytes=opts.chunk_bytes,
-                                 max_streams=opts.max_streams,
-                                 max_message_bytes=opts.max_receive_message_bytes)
         self.stream_caps = StreamCaps(opts.max_side_streams, opts.stream_idle_seconds,
-                                      WORK_STREAMS + oip.WORK_STREAMS)
+                                      opts.max_streams, lambda: engine.draining)
+        calls = Calls(engine.telemetry, engine.models, engine.default_model)
+        self.servicer = Servicer(engine, calls, self.stream_caps, chunk_bytes=opts.chunk_bytes,
+                                 max_message_bytes=opts.max_receive_message_bytes)
         interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []
         interceptors.append(self.stream_caps)
-        # Each open stream holds a thread. The servicer refuses Extract streams beyond
-        # max_streams, the stream caps other streaming methods beyond max_side_streams
-        # each, so the spare threads always serve health checks and unary calls: a
-        # server full of open streams still answers its liveness probe.
+        # Each open stream holds a thread. The stream caps refuse work calls beyond
+        # max_streams and other streaming methods beyond max_side_streams each, so the
+        # spare threads always serve health checks and unary calls: a server full of
+        # open streams still answers its liveness probe.
         # maximum_concurrent_rpcs is only a backstop against a flood of unary calls.
         workers = (opts.max_streams + opts.max_side_streams * len(SIDE_STREAMS)
                    + UNARY_HEADROOM)
@@ -234,8 +236,8 @@ class HookServer:
             return
         end = time.monotonic() + grace
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer.start_drain()
-        idle = self.servicer.wait_idle(max(0.0, end - time.monotonic()))
+        self.stream_caps.start_drain(self.engine.start_drain)
+        idle = self.stream_caps.wait_idle(max(0.0, end - time.monotonic()))
         if not idle:
             log.warning("grace period over with streams still open: cancelling them")
         if self.http is not None:

@@ -3,8 +3,8 @@
 The enums are the domain side of the proto's enums: each member's value is its
 number in ``hookserve.v1`` (wire.py converts with ``Reduction(n)``), and ``label`` is
 the short name used in messages and logs. What a reduction or dtype *does* is one
-entry in :mod:`hookserve_server.capture.reduce`; tests/test_contract.py checks that
-the proto, these enums and that table agree.
+entry in :mod:`hookserve_server.capture.reduce`; tests/test_value_lists.py checks that
+the proto, these enums, the parser and that table agree.
 """
 
 from __future__ import annotations

@@ -69,12 +69,10 @@ class AnswerCache:
     # -- keys ----------------------------------------------------------------------------
     @staticmethod
     def unit_keys(spec, image: ImageInput) -> list[bytes]:
-        """One key per unit of the answer, in the answer's order."""
+        """One key per unit of the answer, in the answer's order (the spec's job says
+        what a unit is: `Job.cache_keys`)."""
         state = keys.base(keys.image_digest(image), spec.model, spec.preprocess)
-        attribution = getattr(spec, "attribution", None)
-        if attribution is not None:
-            return [keys.attribution_key(state, attribution, spec.task_for(image).target)]
-        return [keys.layer_key(state, layer) for layer in spec.layers]
+        return spec.job.cache_keys(state, image)
 
     # -- the seam ------------------------------------------------------------------------
     def submit(self, spec, image: ImageInput, call, fut: Future, compute: Compute,
@@ -116,8 +114,8 @@ class AnswerCache:
     def _compute(self, spec, call, unit_keys: list[bytes], lead: list[int], parts: list,
                  compute: Compute) -> None:
         """Compute the units in `lead`; their flights (in `parts`) end with the answer."""
-        if getattr(spec, "attribution", None) is None:
-            spec = dataclasses.replace(spec, layers=tuple(spec.layers[i] for i in lead))
+        if len(lead) < len(unit_keys):
+            spec = dataclasses.replace(spec, job=spec.job.only(lead))
         inner: Future = Future()
 
         def done(f: Future) -> None:

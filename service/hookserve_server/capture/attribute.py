@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attribution_spec import AttributionSpec, Baseline, ClassScore, Method, Score, TargetResult
-from .gradients import Tap
+from .tap import Tap
 
 #: How many classes the answer's top list holds.
 TOP = 5

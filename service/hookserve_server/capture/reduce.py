@@ -1,8 +1,10 @@
-"""The one table of reductions and dtypes: what each does, and the shape it gives.
+"""The one table of reductions and the one of dtypes: what each reduction does, the
+shape it gives and its columns' names; each dtype's torch type.
 
-Adding a reduction is one entry in ``REDUCTIONS`` plus its value in
-``hookserve.v1.Reduction`` and :class:`~hookserve_server.spec.Reduction`;
-tests/test_contract.py checks that the three agree.
+Adding a reduction is its value in ``hookserve.v1.Reduction``, the member with that
+number in :class:`~hookserve_server.spec.Reduction`, and one entry in ``REDUCTIONS``
+(its function on a batch tensor and its shape rule, which the limits use);
+tests/test_value_lists.py checks that the three agree.
 """
 
 from __future__ import annotations

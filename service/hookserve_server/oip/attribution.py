@@ -11,7 +11,7 @@ The same Session, caps and errors as the Attribute RPC.
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..attribution_spec import (
     DEFAULT_IG_STEPS,
@@ -28,8 +28,14 @@ from . import request as rq
 from .labels import class_labels
 from .tensors import InferAnswer, OutTensor, element_count, pack_bytes, stack, unpack_ints
 
-if TYPE_CHECKING:
-    from .infer import Inference
+
+class Inference(Protocol):
+    """What an attribution request uses of `infer.Inference` (which calls in here)."""
+
+    engine: Any
+
+    def results(self, spec, images, stats: dict, on_cancel, deadline, input_name: str
+                ) -> list: ...
 
 OUTPUTS = ("map", "logits", "top5")
 TARGET = "TARGET"

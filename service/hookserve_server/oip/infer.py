@@ -95,12 +95,12 @@ class Inference:
         t0 = time.perf_counter_ns()
         ok = known = False
         try:
-            with self.servicer._observed(method, context, stats), \
-                    (self.servicer._stream_slot(method) if slot else _no_slot()):
+            with self.servicer.calls.observed(method, context, stats), \
+                    (self.servicer.streams.work_slot(method) if slot else _no_slot()):
                 self.check_version(call.version)
                 base, attribution = self.model_names(call.model)
                 known = True  # counted from here: names from the network are not kept
-                stats["model"] = self.servicer._model_label(base)
+                stats["model"] = self.servicer.calls.model_label(base)
                 if attribution:
                     answer = attribute(self, call, base, attribution, stats, on_cancel,
                                        deadline)

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from ..servicer import Servicer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-#: The OIP's work calls, counted by --max-streams (not by the side-stream caps).
-WORK_STREAMS = (f"/{SERVICE_NAME}/ModelInfer", f"/{SERVICE_NAME}/ModelStreamInfer")
 _CONFIG_TYPES = {"BYTES": mc.TYPE_STRING, "UINT8": mc.TYPE_UINT8, "INT64": mc.TYPE_INT64,
                  "FP32": mc.TYPE_FP32, "FP16": mc.TYPE_FP16, "BF16": mc.TYPE_BF16}
 
@@ -216,7 +214,7 @@ class OipServicer:
         error_message and the stream goes on."""
         cancel = _Cancel()
         context.add_callback(cancel)
-        with self.servicer._stream_slot("ModelStreamInfer"):
+        with self.servicer.streams.work_slot("ModelStreamInfer"):
             for n, raw in enumerate(_requests(request_iterator)):
                 if self.engine.draining:
                     yield _DRAINING
