@@ -313,3 +313,14 @@ def test_oip_package_imports_no_torch():
     code = ("import sys, hookserve_server.oip.servicer, hookserve_server.oip.metadata; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_timeout_parameter_is_the_calls_deadline(triton):
+    """infer(timeout=µs) sends the request parameter `timeout`: with the transport's
+    deadline, the earlier ends the call."""
+    with pytest.raises(InferenceServerException) as err:
+        triton.infer("resnet18", [image_input([encode(i) for i in IMAGES])], timeout=1)
+    assert code_of(err.value) == "StatusCode.DEADLINE_EXCEEDED"
+    assert "deadline" in err.value.message()
+    ok = triton.infer("resnet18", [image_input([encode(IMAGES[0])])], timeout=120_000_000)
+    assert ok.as_numpy("fc").shape == (1, 1000)

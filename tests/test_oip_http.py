@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import socket
+import struct
 import subprocess
 
 import numpy as np
@@ -206,3 +208,48 @@ def test_rest_over_tls(tmp_path):
         assert out.stdout != "200"
     finally:
         s.stop(2.0)
+
+
+def test_a_client_that_goes_away_cancels_its_infer():
+    """A REST client disconnects while its 60 images are at the model: the call is
+    cancelled, the images not yet at the model are dropped (the model's image counter
+    stops short), and the call counts as failed, not answered."""
+    from test_faults import computed, wait_until
+    s = RunningServer([*R18, "--metrics-port", "0", "--max-batch-size", "1"])
+    try:
+        n = 60
+        raw = b"".join(struct.pack("<I", len(b)) + b for b in
+                       (encode(rand_image(32, 32, seed=100 + i)) for i in range(n)))
+        head = json.dumps({
+            "inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [n],
+                        "parameters": {"binary_data_size": len(raw)}}],
+            "outputs": [{"name": "layer4", "parameters": {"reduction": "avg"}}]}).encode()
+        counts = s.server.http.inference.counts
+        base = computed(s)
+        conn = socket.create_connection(("127.0.0.1", s.server.http.port), timeout=60)
+        conn.sendall(b"POST /v2/models/resnet18/infer HTTP/1.1\r\nHost: hookserve\r\n"
+                     b"Content-Type: application/octet-stream\r\n"
+                     b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
+                     % (len(head), len(head) + len(raw)) + head + raw)
+        wait_until(lambda: computed(s) > base, what="the first image to reach the model")
+        conn.close()
+        wait_until(lambda: counts.of("resnet18").fail == 1, what="the call to be cancelled")
+        wait_until(lambda: s.engine.queued == 0, what="its queued images to be dropped")
+        assert counts.of("resnet18").success == 0
+        assert computed(s) - base < n // 2, computed(s) - base
+    finally:
+        s.stop(2.0)
+
+
+def test_the_timeout_parameter_is_the_calls_deadline(rest):
+    """tritonclient's infer(timeout=µs) is the request parameter `timeout`: a deadline
+    already passed when the images reach the engine ends the call with 504; a generous
+    one answers; a negative one is refused."""
+    with pytest.raises(InferenceServerException) as err:
+        rest.infer("resnet18", [image_input(IMAGES)], timeout=1)
+    assert err.value.status() == "504" and "deadline" in err.value.message()
+    ok = rest.infer("resnet18", [image_input(IMAGES[:1])], timeout=120_000_000)
+    assert ok.as_numpy("fc").shape == (1, 1000)
+    with pytest.raises(InferenceServerException) as err:
+        rest.infer("resnet18", [image_input(IMAGES[:1])], timeout=-1)
+    assert err.value.status() == "400" and "timeout=-1" in err.value.message()

@@ -10,7 +10,8 @@ then each binary input in order, as `binary_data_size` says). BYTES elements in 
 are strings, or {"b64": "..."} objects for binary data such as images.
 
 The same bearer token as gRPC guards every route but the two health routes; a body
-over --max-message-bytes is refused. Domain errors become HTTP statuses here (the
+over --max-message-bytes is refused. An infer whose client disconnects is cancelled:
+its images not yet at the model are dropped. Domain errors become HTTP statuses here (the
 REST side of status.py's mapping), with a body {"error": message}.
 """
 
@@ -29,7 +30,8 @@ import numpy as np
 from ..errors import ConfigError, HookserveError, InvalidArgument, ResourceExhausted
 from ..status import as_domain, short_message
 from . import metadata as md
-from .request import InferCall, InTensor, OutRequest, own_params
+from .infer import CallCancel
+from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
 from .tensors import InferAnswer, unpack_bytes
 
 if TYPE_CHECKING:
@@ -111,7 +113,8 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
     outputs = [OutRequest(str(o.get("name", "")), dict(o.get("parameters") or {}))
                for o in header.get("outputs") or []]
     return (InferCall(model, version, str(header.get("id", "")), inputs, outputs,
-                      own_params(params)), bool(params.get("binary_data_output")))
+                      own_params(params), timeout_of(params)),
+            bool(params.get("binary_data_output")))
 
 
 def _json_data(datatype: str, data: bytes) -> list:
@@ -137,6 +140,14 @@ def encode_answer(ans: InferAnswer, binary: dict[str, bool]) -> tuple[bytes, int
     head = json.dumps({"model_name": ans.model, "model_version": "1", "id": ans.id,
                        "outputs": outputs}).encode()
     return (head + b"".join(blobs), len(head)) if blobs else (head, None)
+
+
+async def _on_disconnect(receive, cancel: CallCancel) -> None:
+    """Cancel the call when its client goes away: with the body read, the next ASGI
+    message is the disconnect (the server's Session then drops its queued images)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancel()
 
 
 class _Peer:
@@ -307,12 +318,13 @@ class OipHttp:
         p = request.path_params
         peer = _Peer(request.client)
         header_length = request.headers.get(HEADER_LENGTH)
+        cancel = CallCancel()
 
         def infer():
             from starlette.responses import Response
             call, binary_default = to_call(p["model"], p.get("version", ""), body,
                                            header_length)
-            answer = self.inference.infer(call, "HTTPInfer", peer, lambda fn: None, None)
+            answer = self.inference.infer(call, "HTTPInfer", peer, cancel.set, None)
             binary = {o.name: bool(o.params.get("binary_data", binary_default))
                       for o in call.outputs}
             if not call.outputs:
@@ -321,7 +333,11 @@ class OipHttp:
             headers = {HEADER_LENGTH: str(head)} if head is not None else {}
             kind = "application/octet-stream" if head is not None else "application/json"
             return Response(data, headers=headers, media_type=kind)
-        return await self._guarded(request, infer)
+        watch = asyncio.ensure_future(_on_disconnect(request.receive, cancel))
+        try:
+            return await self._guarded(request, infer)
+        finally:
+            watch.cancel()
 
     async def _body(self, request) -> bytes:
         limit = self.max_body_bytes

@@ -63,6 +63,32 @@ class Counts:
             return ModelCounts(**vars(c))
 
 
+class CallCancel:
+    """A call's cancel, pointed at the Session running now: `set` is what
+    Inference.infer is handed as `on_cancel`; calling the object cancels that Session,
+    or the next one at once if it comes later (a stream's, a request's whose client
+    went away before its Session began)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fn: Callable[[], None] | None = None
+        self._done = False
+
+    def set(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._fn = fn
+            done = self._done
+        if done:
+            fn()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._done = True
+            fn = self._fn
+        if fn is not None:
+            fn()
+
+
 class Inference:
     """Runs InferCalls on the engine, observed and counted like the work RPCs."""
 
@@ -90,7 +116,12 @@ class Inference:
               on_cancel: Callable[[Callable[[], None]], object],
               deadline: float | None, *, slot: bool = True) -> InferAnswer:
         """The call's answer; a bad request or image raises its HookserveError.
-        `slot`: count the call in --max-streams (a stream's requests share its own)."""
+        `slot`: count the call in --max-streams (a stream's requests share its own).
+        `deadline` (the transport's) and the call's `timeout` parameter: the earlier
+        one ends it."""
+        if call.timeout_us:
+            own = time.monotonic() + call.timeout_us / 1e6
+            deadline = own if deadline is None else min(deadline, own)
         stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
         t0 = time.perf_counter_ns()
         ok = known = False

@@ -5,6 +5,7 @@ these types in; nothing past here reads protobuf or JSON.
 Inputs: `IMAGE` (BYTES [N], encoded images) or `INPUT__0` (UINT8 [N, H, W, 3], RGB
 pixels). Outputs are layer names; each output's parameters are `reduction`, `dtype`,
 `l2_normalize` and `classification` (k: the top k as "value:index:label" strings).
+The request parameter `timeout` (microseconds) is kept apart as the call's deadline.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class InferCall:
     inputs: list[InTensor] = field(default_factory=list)
     outputs: list[OutRequest] = field(default_factory=list)
     params: dict = field(default_factory=dict)
+    #: the protocol's `timeout` request parameter, in microseconds (0: none)
+    timeout_us: int = 0
+
+
+def timeout_of(params: dict) -> int:
+    """The `timeout` request parameter (microseconds; 0 or absent for none), which
+    tritonclient sends for infer(timeout=...)."""
+    us = as_int(params.get("timeout", 0), "request parameter timeout")
+    if us < 0:
+        raise InvalidArgument(f"request parameter timeout={us}: use microseconds (0 for "
+                              "none)")
+    return us
 
 
 def own_params(params: dict) -> dict:

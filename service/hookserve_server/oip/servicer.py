@@ -10,7 +10,6 @@ hookserve's own service (server.py says why).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -23,8 +22,8 @@ from ..status import mapped, short_message
 from . import grpc_service_pb2 as pb
 from . import metadata as md
 from . import model_config_pb2 as mc
-from .infer import VERSION, Inference
-from .request import InferCall, InTensor, OutRequest, own_params
+from .infer import VERSION, CallCancel, Inference
+from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
 from .tensors import InferAnswer
 
 if TYPE_CHECKING:
@@ -66,8 +65,9 @@ def to_call(req: pb.ModelInferRequest) -> InferCall:
     inputs = [InTensor(t.name, t.datatype, tuple(t.shape), raw[i] if raw else _typed(t))
               for i, t in enumerate(req.inputs)]
     outputs = [OutRequest(o.name, params_of(o.parameters)) for o in req.outputs]
+    params = params_of(req.parameters)
     return InferCall(req.model_name, req.model_version, req.id, inputs, outputs,
-                     own_params(params_of(req.parameters)))
+                     own_params(params), timeout_of(params))
 
 
 def to_response(ans: InferAnswer) -> pb.ModelInferResponse:
@@ -89,29 +89,6 @@ def _tensors(items: list[dict]) -> list[pb.ModelMetadataResponse.TensorMetadata]
 def _config_io(cls, items: list[dict], **extra) -> list:
     return [cls(name=t["name"], data_type=_CONFIG_TYPES[t["datatype"]], dims=t["shape"],
                 **extra) for t in items]
-
-
-class _Cancel:
-    """The call's cancel callback, pointed at the Session running now."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._fn: Callable[[], None] | None = None
-        self._done = False
-
-    def set(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            self._fn = fn
-            done = self._done
-        if done:
-            fn()
-
-    def __call__(self) -> None:
-        with self._lock:
-            self._done = True
-            fn = self._fn
-        if fn is not None:
-            fn()
 
 
 def _deadline(context) -> float | None:
@@ -212,7 +189,7 @@ class OipServicer:
     def ModelStreamInfer(self, request_iterator, context) -> Iterator:
         """Each request answered in turn; a failed request's answer is its
         error_message and the stream goes on."""
-        cancel = _Cancel()
+        cancel = CallCancel()
         context.add_callback(cancel)
         with self.servicer.streams.work_slot("ModelStreamInfer"):
             for n, raw in enumerate(_requests(request_iterator)):
