@@ -18,7 +18,7 @@ import pytest
 import hookserve
 
 from conftest import RunningServer, encode, rand_image
-from helpers import ServeProcess, small_server
+from helpers import METRICS, ServeProcess, computed, small_server, wait_until
 
 pytest.importorskip("starlette", reason="pip install hookserve[http]")
 pytest.importorskip("uvicorn", reason="pip install hookserve[http]")
@@ -214,8 +214,7 @@ def test_a_client_that_goes_away_cancels_its_infer():
     """A REST client disconnects while its 60 images are at the model: the call is
     cancelled, the images not yet at the model are dropped (the model's image counter
     stops short), and the call counts as failed, not answered."""
-    from test_faults import computed, wait_until
-    s = RunningServer([*R18, "--metrics-port", "0", "--max-batch-size", "1"])
+    s = RunningServer([*R18, *METRICS, "--max-batch-size", "1"])
     try:
         n = 60
         raw = b"".join(struct.pack("<I", len(b)) + b for b in
