@@ -113,8 +113,8 @@ def test_attribute_many_is_lazy_ordered_with_per_image_targets_and_errors(client
 def test_errors_are_typed(client, imgs):
     with pytest.raises(hookserve.InvalidArgument, match="1000 classes"):
         client.attribute(imgs[0], target=1000, **GEOMETRY)
-    with pytest.raises(hookserve.InvalidArgument, match="layer"):  # a CAM method needs one
-        client.attribute(imgs[0], None, "grad_cam", **GEOMETRY)
+    with pytest.raises(hookserve.InvalidArgument, match="layer"):  # fc is not a map
+        client.attribute(imgs[0], "fc", "grad_cam", **GEOMETRY)
     with pytest.raises(hookserve.InvalidArgument, match="--max-attribution-cost"):
         client.attribute(imgs[0], method="integrated_gradients", steps=5000)
     with pytest.raises(hookserve.NotFound):

@@ -49,7 +49,7 @@ def test_a_member_missing_from_a_table_is_found():
 
 
 def test_names_are_the_members_names():
-    assert list(tables.REDUCTIONS) == ["none", "avg", "max", "flatten", "stats"]
+    assert list(tables.REDUCTIONS) == ["none", "avg", "max", "flatten", "stats", "cls"]
     assert list(tables.DTYPES) == ["float32", "float16", "bfloat16"]
     assert list(tables.METHODS) == ["grad_cam", "hires_cam", "layer_cam", "gradient",
                                     "gradient_x_input", "integrated_gradients",
@@ -60,10 +60,15 @@ def test_names_are_the_members_names():
 
 
 def test_reduced_shapes_are_those_the_proto_documents():
-    shapes = {r: tables.reduced_shape(r, (8, 5, 3)) for r in tables.REDUCTIONS}
+    shapes = {r: tables.reduced_shape(r, (8, 5, 3)) for r in tables.REDUCTIONS if r != "cls"}
     assert shapes == {"none": (8, 5, 3), "avg": (8,), "max": (8,), "flatten": (120,),
                       "stats": (8, len(tables.STATS_COLUMNS))}
     assert tables.reduced_shape("stats", (10,)) == (1, 5)  # a vector: one row
+    # the channels are kept whatever the layout; cls is a token map's token 0
+    assert tables.reduced_shape("avg", (7, 7, 768), "HWC") == (768,)
+    assert tables.reduced_shape("stats", (197, 768), "TD") == (768, 5)
+    assert tables.reduced_shape("none", (7, 7, 768), "HWC") == (7, 7, 768)
+    assert tables.reduced_shape("cls", (197, 768), "TD") == (768,)
     assert [r for r in tables.REDUCTIONS if tables.follows_size(r)] == ["none", "flatten"]
 
 

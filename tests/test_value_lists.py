@@ -13,7 +13,7 @@ from hookserve_server import wire
 from hookserve_server.attribution_spec import METHODS, AttributionSpec, Baseline, Method, Score
 from hookserve_server.capture.reduce import DTYPES, REDUCTIONS, reduced_shape
 from hookserve_server.errors import InvalidArgument
-from hookserve_server.spec import DType, LayerSpec, Mode, Reduction
+from hookserve_server.spec import DType, LayerSpec, Layout, Mode, Reduction
 
 
 def _layer(**kw):
@@ -70,9 +70,13 @@ def test_proto_enum_domain_enum_parser_and_table_agree(name):
 
 
 def test_reduction_shapes_are_those_the_proto_documents():
-    shapes = {r: reduced_shape(LayerSpec("x", r), (8, 5, 3)) for r in Reduction}
+    shapes = {r: reduced_shape(LayerSpec("x", r), (8, 5, 3)) for r in Reduction
+              if r is not Reduction.CLS}
     assert shapes == {Reduction.NONE: (8, 5, 3), Reduction.AVG: (8,), Reduction.MAX: (8,),
                       Reduction.FLATTEN: (120,), Reduction.STATS: (8, 5)}
+    # the channels are kept whatever the layout; cls is token 0 of a [T, D] layer: (D,)
+    assert reduced_shape(LayerSpec("x", Reduction.AVG, layout=Layout.HWC), (7, 7, 96)) == (96,)
+    assert reduced_shape(LayerSpec("x", Reduction.CLS, layout=Layout.TD), (197, 768)) == (768,)
 
 
 def test_method_costs_are_those_the_proto_documents():

@@ -98,7 +98,7 @@ SAVE_HINT = r"torch\.save\(model\.state_dict\(\), PATH\)"
     ("garbage", f"could not load .* \\(it is not a file torch.save writes\\); .*{SAVE_HINT}"),
     ("module", "holds a pickled torchvision.models.resnet.ResNet \\(a whole model, saved "
                f"with torch.save\\(model\\)\\), not a state_dict.*{SAVE_HINT}"),
-    ("checkpoint", f"holds a dict with keys 'epoch', 'model', not a state_dict.*{SAVE_HINT}"),
+    ("checkpoint", f"holds a dict with keys 'epoch', 'net', not a state_dict.*{SAVE_HINT}"),
 ])
 def test_bad_weights_file_is_a_clear_startup_error(tmp_path, content, match):
     path = tmp_path / "w.pth"
@@ -108,8 +108,8 @@ def test_bad_weights_file_is_a_clear_startup_error(tmp_path, content, match):
         path.write_bytes(b"\x00not a checkpoint")
     elif content == "module":  # a whole pickled model: refused by weights_only=True
         torch.save(torchvision.models.resnet18(), path)
-    elif content == "checkpoint":  # a training checkpoint: the state_dict is one entry
-        torch.save({"epoch": 3, "model": torchvision.models.resnet18().state_dict()}, path)
+    elif content == "checkpoint":  # a state_dict under a key no training script uses
+        torch.save({"epoch": 3, "net": torchvision.models.resnet18().state_dict()}, path)
     with pytest.raises(ConfigError, match=match) as err:
         build_model("resnet18", str(path))
     # one line, no terminal colour codes, and never torch's advice to unpickle code

@@ -25,15 +25,18 @@ from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
 from .types import Size, build_preprocessing, parse_side, parse_size
 from .v1 import hookserve_pb2 as pb
 
-#: The layer a CAM method explains when none is given (ResNet's last block).
-DEFAULT_LAYER = "layer4"
+#: The layer a CAM method explains when none is given: sent empty, the server picks the
+#: model's default (`ModelInfo.default_cam_layer`: resnet "layer4", vgg its last
+#: convolution, vit the last block's "ln_1").
+DEFAULT_LAYER = ""
 
 
 class _DefaultLayer(str):
-    """The `layer` default: DEFAULT_LAYER for the CAM methods, none for the others."""
+    """The `layer` default: the model's default CAM layer for the CAM methods, none for
+    the others."""
 
     def __repr__(self) -> str:
-        return f"{DEFAULT_LAYER!r} for CAM methods, None otherwise"
+        return "the model's default_cam_layer for CAM methods, None otherwise"
 
 
 AUTO_LAYER = _DefaultLayer(DEFAULT_LAYER)
@@ -43,11 +46,17 @@ Geometry = tuple[int, "tuple[int, int] | None"]
 
 @dataclass(frozen=True)
 class ClassScore:
-    """One class's score for one image."""
+    """One class's score for one image. Unpacks as ``(index, label, prob)``:
+    ``for index, label, prob in a.top5``."""
 
     index: int
     logit: float
     prob: float
+    #: The class's name ("" when the model's classes have none: ``--labels``).
+    label: str = ""
+
+    def __iter__(self):
+        return iter((self.index, self.label, self.prob))
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,8 @@ class Attribution:
     map: np.ndarray | None = None
     #: One entry per map (one, or top_k in the order of the map's leading dimension).
     targets: list[MapTarget] = field(default_factory=list)
-    #: The five most probable classes, highest first.
+    #: The five most probable classes, highest first; each unpacks as
+    #: ``(index, label, prob)``.
     top5: list[ClassScore] = field(default_factory=list)
     #: The preprocessing geometry the map refers to, for :func:`hookserve.overlay`:
     #: (resize of the shorter side or 0, centre crop HxW or None); None if unknown.
@@ -112,6 +122,11 @@ class Attribution:
         return self._first().target.index
 
     @property
+    def label(self) -> str:
+        """The name of that class ("" when the model's classes have none)."""
+        return self._first().target.label
+
+    @property
     def logit(self) -> float:
         return self._first().target.logit
 
@@ -136,7 +151,7 @@ class Attribution:
 
 
 def _score(c: pb.ClassScore) -> ClassScore:
-    return ClassScore(int(c.class_index), float(c.logit), float(c.probability))
+    return ClassScore(int(c.class_index), float(c.logit), float(c.probability), c.label)
 
 
 def resolve_layer(layer: str | None, method: str) -> str | None:

@@ -130,8 +130,9 @@ class ClientBase:
         without them `Result.id` is the path (or the position) and the wire carries the
         position only, so the same path may appear twice.
 
-        Layers take `reduction` (none|avg|max|flatten|stats; stats is ``[C, 5]`` per
-        channel: mean, std, min, max, zero fraction, see ``Result.columns``), `dtype`
+        Layers take `reduction` (none|avg|max|flatten|stats|cls; stats is ``[C, 5]`` per
+        channel: mean, std, min, max, zero fraction, see ``Result.columns``; cls is a
+        ViT block's class token), `dtype`
         (float32|float16|bfloat16) and `l2_normalize` unless set per layer.
         Preprocessing is the model's default unless `native=True` or `resize`/`crop`
         (the shorter side, and a centre crop given as the CLI takes it: ``"288x288"``,

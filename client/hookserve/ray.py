@@ -132,7 +132,7 @@ class HookserveMapper:
             red = getattr(la, "reduction", None) or reduction
             if red not in REDUCTIONS or (sized and follows_size(red)):
                 return None
-            shapes[name] = reduced_shape(red, desc.shape_of(name))
+            shapes[name] = reduced_shape(red, desc.shape_of(name), desc.layout_of(name))
         return shapes
 
     # -- one batch ---------------------------------------------------------------------

@@ -62,18 +62,39 @@ REDUCED_SHAPES: dict[int, Callable[[Shape], Shape]] = {
     pb.REDUCTION_MAX_POOL: lambda shape: tuple(shape[:1]),
     pb.REDUCTION_FLATTEN: lambda shape: (prod(shape),),
     pb.REDUCTION_STATS: lambda shape: (_channels(shape), len(STATS_COLUMNS)),
+    pb.REDUCTION_CLS: lambda shape: tuple(shape[-1:]),  # token 0 of (T, D): (D,)
 }
+#: The reductions that keep the channels (features) whatever the layer's layout: their
+#: rule above sees the shape channels first.
+PER_CHANNEL = {pb.REDUCTION_AVG_POOL, pb.REDUCTION_MAX_POOL, pb.REDUCTION_STATS}
 
 
-def reduced_shape(reduction: str, shape: Shape) -> Shape:
-    """The per-image shape `reduction` (a name) gives a tensor of `shape`."""
-    return REDUCED_SHAPES[REDUCTIONS[reduction]](tuple(shape))
+def channels_first(shape: Shape, layout: str) -> Shape:
+    """A per-image shape with its channels (features) first: (H, W, C) -> (C, H, W) for
+    "HWC", (T, D) -> (D, T) for "TD"; others as they are."""
+    if layout == "HWC" and len(shape) == 3:
+        return (shape[2], shape[0], shape[1])
+    if layout == "TD" and len(shape) == 2:
+        return (shape[1], shape[0])
+    return tuple(shape)
+
+
+def reduced_shape(reduction: str, shape: Shape, layout: str = "") -> Shape:
+    """The per-image shape `reduction` (a name) gives a tensor of `shape` laid out as
+    `layout` (``LayerInfo.layout``; "" is channels first)."""
+    wire = REDUCTIONS[reduction]
+    if wire in PER_CHANNEL:
+        shape = channels_first(tuple(shape), layout)
+    return REDUCED_SHAPES[wire](tuple(shape))
 
 
 def follows_size(reduction: str) -> bool:
     """Whether `reduction`'s result changes shape with the image's size (``none`` and
-    ``flatten`` keep the spatial dimensions; the pools and ``stats`` do not). Derived
-    from :data:`REDUCED_SHAPES`: the shapes of two sizes of one tensor."""
+    ``flatten`` keep the spatial dimensions; the pools, ``stats`` and ``cls`` do not).
+    Derived from :data:`REDUCED_SHAPES`: the shapes of two sizes of one tensor (a
+    token map for ``cls``, whose token count follows the size)."""
+    if REDUCTIONS[reduction] == pb.REDUCTION_CLS:
+        return reduced_shape(reduction, (6, 2), "TD") != reduced_shape(reduction, (10, 2), "TD")
     return reduced_shape(reduction, (2, 3, 5)) != reduced_shape(reduction, (2, 7, 11))
 
 

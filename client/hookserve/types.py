@@ -22,9 +22,10 @@ Size = int | str | tuple[int, int]
 
 @dataclass(frozen=True)
 class Layer:
-    """A requested layer with its reduction (none|avg|max|flatten|stats), dtype and L2
-    option. "stats" gives float32 ``[C, 5]`` per channel (``[1, 5]`` for a vector):
-    :data:`~.tables.STATS_COLUMNS`."""
+    """A requested layer with its reduction (none|avg|max|flatten|stats|cls), dtype and
+    L2 option. "stats" gives float32 ``[C, 5]`` per channel (``[1, 5]`` for a vector):
+    :data:`~.tables.STATS_COLUMNS`; avg, max and stats keep the channels whatever the
+    layer's layout (``LayerInfo.layout``); "cls" is token 0 of a ``TD`` (ViT) layer."""
 
     name: str
     reduction: str = "none"
@@ -92,6 +93,10 @@ class LayerInfo:
     order: int
     input_shape: tuple[int, ...] = ()
     input_bytes_per_image: int = 0
+    #: How `shape` is laid out: "CHW", "HWC", "TD" (tokens x features), "D", or "" when
+    #: the server does not say; avg, max, stats and the CAM methods keep the channels.
+    layout: str = ""
+    input_layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,12 @@ class ModelInfo:
     crop: tuple[int, int]
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    #: Classes of the classifier head (0 from a server that does not say).
+    num_classes: int = 0
+    #: Class names in index order; () when the classes have none.
+    labels: tuple[str, ...] = ()
+    #: The layer the CAM methods explain when none is named ("" from an older server).
+    default_cam_layer: str = ""
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -121,7 +132,13 @@ class ModelInfo:
             pretrained=m.weights.pretrained, weights_verified=m.weights.verified,
             device=m.device, dtype=DTYPE_FROM_WIRE.get(m.dtype, "float32"),
             resize=p.resize, crop=(p.crop_height, p.crop_width),
-            mean=tuple(p.mean), std=tuple(p.std))
+            mean=tuple(p.mean), std=tuple(p.std), num_classes=m.num_classes,
+            labels=tuple(m.labels), default_cam_layer=m.default_cam_layer)
+
+
+def _layout(value: int) -> str:
+    """A wire Layout as its name ("CHW"); "" when unspecified."""
+    return "" if value == pb.LAYOUT_UNSPECIFIED else pb.Layout.Name(value).removeprefix("LAYOUT_")
 
 
 @dataclass(frozen=True)
@@ -149,11 +166,19 @@ class ModelDescription:
         module, is_input = split_port(name)
         return self.layer(module).input_shape if is_input else self.layer(module).shape
 
+    def layout_of(self, name: str) -> str:
+        """The layout ("CHW", "HWC", "TD", "D"; "" when not reported) of what a layer
+        request `name` returns before any reduction."""
+        module, is_input = split_port(name)
+        li = self.layer(module)
+        return li.input_layout if is_input else li.layout
+
     @classmethod
     def from_proto(cls, r: pb.DescribeModelResponse) -> ModelDescription:
         layers = [LayerInfo(li.name, li.module, li.type, tuple(li.output_shape),
                             DTYPE_FROM_WIRE.get(li.dtype, "float32"), li.bytes_per_image,
-                            li.order, tuple(li.input_shape), li.input_bytes_per_image)
+                            li.order, tuple(li.input_shape), li.input_bytes_per_image,
+                            _layout(li.layout), _layout(li.input_layout))
                   for li in r.layers]
         return cls(ModelInfo.from_proto(r.model), (r.input_height, r.input_width), layers,
                    r.gradient_bytes_per_image, r.max_message_bytes)

@@ -16,25 +16,36 @@ import threading
 
 import torch
 
+from .architectures import is_timm
 from .cache.front import AnswerCache
 from .cache.local import LocalCache
 from .cache.shared import SharedCache
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
+from .labels import model_labels
 from .logs import LOUD
-from .models import ServedModel, build_model, imagenet_cache_path, resolve_device
+from .models import (
+    ServedModel,
+    build_model,
+    defaults_for,
+    imagenet_cache_path,
+    resolve_device,
+)
 from .preflight import Checked, is_loopback, metrics_host, preflight
 from .server import HookServer, ServerOptions, create_server
 
 log = logging.getLogger("hookserve")
 
 
-def no_download(weights: dict[str, str]) -> dict[str, str]:
+def no_download(weights: dict[str, str], archs: dict[str, str] | None = None
+                ) -> dict[str, str]:
     """`--no-download`: settle auto/imagenet from the local cache alone, before any
-    code could reach the network (the container image runs this way)."""
+    code could reach the network (the container image runs this way). `archs`: each
+    model's architecture, when it is not the model's name."""
     out = dict(weights)
     for m, v in weights.items():
-        if v not in ("auto", "imagenet") or imagenet_cache_path(m).is_file():
+        arch = (archs or {}).get(m, m)
+        if v not in ("auto", "imagenet") or is_timm(arch) or imagenet_cache_path(arch).is_file():
             continue
         if v == "imagenet":
             raise ConfigError(
@@ -55,7 +66,8 @@ def check(args: argparse.Namespace, pre: Checked | None = None):
     Returns (model names, {model: weights spec}, device, server options)."""
     pre = pre or preflight(args)
     device = resolve_device(args.device)
-    weights = pre.weights if args.download else no_download(pre.weights)
+    weights = pre.weights if args.download else no_download(
+        pre.weights, {e.name: e.arch for e in pre.entries})
     options = ServerOptions(
         host=pre.host, port=args.port, max_streams=args.max_streams,
         max_receive_message_bytes=args.max_message_bytes, chunk_bytes=args.chunk_bytes,
@@ -70,15 +82,20 @@ def check(args: argparse.Namespace, pre: Checked | None = None):
 def build(args: argparse.Namespace, pre: Checked | None = None):
     """Models, engine and (unstarted) server from parsed flags (`pre`: their
     `preflight`, when already done)."""
-    names, weights, device, options = check(args, pre)
+    pre = pre or preflight(args)
+    _, weights, device, options = check(args, pre)
     if args.threads:
         torch.set_num_threads(args.threads)
     models = []
-    for name in names:
-        module, info = build_model(name, weights[name], seed=args.seed)
-        models.append(ServedModel(name, name, module, info, device, args.dtype,
-                                  args.channels_last))
-        log.info("loaded %s on %s (%s weights %s, %s)", name, device, info.source,
+    for e in pre.entries:
+        name = e.name
+        module, info = build_model(e.arch, weights[name], seed=args.seed)
+        labels = model_labels(name, e.arch, info.source, info.num_classes, e.labels)
+        dev = resolve_device(e.device) if e.device else device
+        models.append(ServedModel(name, e.arch, module, info, dev, e.dtype or args.dtype,
+                                  args.channels_last, labels,
+                                  e.preprocessing_over(defaults_for(e.arch))))
+        log.info("loaded %s (%s) on %s (%s weights %s, %s)", name, e.arch, dev, info.source,
                  info.name, info.digest[:19])
     telemetry = None
     if args.metrics_port is not None:

@@ -155,6 +155,8 @@ class ClassScore:
     class_index: int
     logit: float
     probability: float
+    #: The class's name ("" when the model's classes have none).
+    label: str = ""
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,19 @@ Each check raises a ConfigError that says what to change. No torch, no grpc here
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import ipaddress
 import re
 import socket
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ARCHITECTURES, WEIGHT_CHOICES
+from .config import ARCHITECTURES, WEIGHT_CHOICES, known_architecture
 from .errors import ConfigError
+from .labels import labels_per_model
+from .model_file import ModelEntry, from_flags, read_model_file
 
 #: The largest message the server sends (gRPC's send limit; chunks stay under it).
 MAX_SEND_MESSAGE_BYTES = 16 << 20
@@ -133,6 +136,10 @@ class Checked:
     tls_client_ca: bytes | None
     auth_token: str | None
     metrics_host: str | None
+    #: `--labels`: {model: path of its class names}.
+    labels: dict[str, Path] = field(default_factory=dict)
+    #: Every served model, in order (`--models`, or the flags).
+    entries: list[ModelEntry] = field(default_factory=list)
 
 
 def preflight(args: argparse.Namespace) -> Checked:
@@ -144,20 +151,17 @@ def preflight(args: argparse.Namespace) -> Checked:
         raise ConfigError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
-    names = args.model or ["resnet50"]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--model lists a model twice: {names}")
-    unknown = [n for n in names if n not in ARCHITECTURES]
-    if unknown:
-        raise ConfigError(f"unknown --model {', '.join(unknown)}: choose from "
-                          f"{', '.join(ARCHITECTURES)}")
+    entries = (read_model_file(Path(args.models).expanduser()) if args.models
+               else models_from_flags(args))
     checked = Checked(
-        names=names, weights=weights_per_model(names, args.weights or []), host=host,
+        names=[e.name for e in entries], weights={e.name: e.weights for e in entries},
+        host=host,
         tls_cert=read_file(args.tls_cert, "--tls-cert"),
         tls_key=read_file(args.tls_key, "--tls-key"),
         tls_client_ca=read_file(args.tls_client_ca, "--tls-client-ca"),
         auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
-        metrics_host=mhost)
+        metrics_host=mhost, labels={e.name: e.labels for e in entries if e.labels},
+        entries=entries)
     if args.tls_cert:
         check_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     check_bindable(host, args.port, "--port")
@@ -174,12 +178,28 @@ def preflight(args: argparse.Namespace) -> Checked:
     return checked
 
 
+def models_from_flags(args: argparse.Namespace) -> list[ModelEntry]:
+    """The models --model, --weights and --labels declare, checked."""
+    names = args.model or ["resnet50"]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--model lists a model twice: {names}")
+    unknown = [n for n in names if not known_architecture(n)]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], ARCHITECTURES, n=4, cutoff=0.5)
+        raise ConfigError(f"unknown --model {', '.join(unknown)}: "
+                          + (f"closest: {', '.join(close)}; " if close else "")
+                          + "`hookserve models --available` lists the torchvision "
+                          "classifiers it takes")
+    return from_flags(names, weights_per_model(names, args.weights or []),
+                      labels_per_model(names, args.labels or []))
+
+
 def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
     """`--weights` values -> {model: spec}. 'SPEC' sets all, 'MODEL=SPEC' one."""
     out = dict.fromkeys(models, "auto")
     for spec in specs:
         name, sep, value = spec.partition("=")
-        if sep and name in ARCHITECTURES:
+        if sep and known_architecture(name):
             if name not in out:
                 raise ConfigError(f"--weights {spec}: {name} is not among --model {models}")
             out[name] = value

@@ -110,7 +110,7 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict, Cap]:
     }
     if format_of(args.out) == "parquet":
         for li in layers:
-            shape = reduced_shape(li.reduction, desc.shape_of(li.name))
+            shape = reduced_shape(li.reduction, desc.shape_of(li.name), desc.layout_of(li.name))
             if len(shape) != 1:
                 raise Abort(f"layer {li.name} gives {shape} per image; "
                              "Parquet takes 1-D features: add --reduction avg|max|flatten "

@@ -28,7 +28,7 @@ from ..preprocess.geometry import geometry_params
 from ..spec import ImageInput, LayerSpec, Preprocess
 
 #: Bumped whenever the layout below or the encoded value changes.
-FORMAT = b"hookserve-cache-v1"
+FORMAT = b"hookserve-cache-v2"
 
 
 def _field(h, *parts: object) -> None:

@@ -57,12 +57,11 @@ def decode(blob: bytes) -> LayerOutput:
         return LayerOutput(**fields)
     return AttributionOutput(
         **fields, top5=tuple(ClassScore(*s) for s in head["top5"]),
-        targets=tuple(TargetResult(ClassScore(*t[:3]), t[3], t[4], t[5])
-                      for t in head["targets"]))
+        targets=tuple(TargetResult(ClassScore(*t[:-3]), *t[-3:]) for t in head["targets"]))
 
 
 def _score(s: ClassScore) -> list:
-    return [s.class_index, s.logit, s.probability]
+    return [s.class_index, s.logit, s.probability, s.label]
 
 
 class SharedCache:

@@ -14,6 +14,8 @@ the memory it holds (engine/attribute_memory.py), which the worker counts agains
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import time
@@ -32,9 +34,11 @@ from ..attribution_spec import (
 from ..cache import key as cache_key
 from ..capture.attribute import AttributionJob, ImageAttribution
 from ..capture.forward import stack_inputs
-from ..capture.table import LayerInfo, entry, split_input_name
+from ..capture.table import entry, split_input_name
 from ..capture.tap import Tap
 from ..errors import Cancelled, DeadlineExceeded, HookserveError, InvalidArgument, ResourceExhausted
+from ..labels import named
+from ..layouts import map_shape, to_grid
 from ..models import ServedModel
 from ..preprocess.geometry import fixed_input_size, validate_preprocess
 from ..spec import DType, ImageInput
@@ -112,15 +116,14 @@ def resolve_attribution(limits: Limits, config: EngineConfig, m: ServedModel,
     num_classes = math.prod(list(table.values())[-1].shape)
     method = spec.method
     if method.is_cam:
-        if not spec.layer:
+        if not spec.layer:  # the family's default (ModelInfo.default_cam_layer)
+            spec = dataclasses.replace(spec, layer=m.default_cam_layer)
+        e = entry(table, spec.layer)
+        if map_shape(e.shape, e.layout) is None:
             raise InvalidArgument(
-                f"method {method.label} needs a layer: name a convolutional layer of "
-                f"{m.name} such as {_last_conv_like(table)} (DescribeModel lists them)")
-        shape = entry(table, spec.layer).shape
-        if len(shape) != 3:
-            raise InvalidArgument(
-                f"layer {spec.layer} gives shape {list(shape)} per image: {method.label} needs "
-                f"a [C, h, w] feature map, such as {_last_conv_like(table)}")
+                f"layer {spec.layer} gives shape {list(e.shape)} per image: {method.label} "
+                f"needs a feature map ([C, h, w], [h, w, C], or [T, D] patch tokens), such as "
+                f"{m.default_cam_layer}")
     elif spec.layer:
         raise InvalidArgument(
             f"method {method.label} explains the input and takes no layer: leave layer "
@@ -167,21 +170,6 @@ def _cam_methods() -> str:
     return f"{', '.join(rest)} or {last}"
 
 
-def _last_conv_like(table: dict[str, LayerInfo]) -> str:
-    """A CAM layer to suggest: the last [C, h, w] output that is not a pooling
-    layer's (nor a container's that ends in one): resnet "layer4", vgg "features.19"."""
-    rows = list(table.values())
-
-    def pooled(li: LayerInfo) -> bool:
-        inner = [r for r in rows if r.module.startswith(li.module + ".")]
-        last = max(inner, key=lambda r: r.order) if inner else li
-        return "Pool" in last.type
-
-    names = [li.name for li in rows
-             if len(li.shape) == 3 and "_" not in li.name and not pooled(li)]
-    return (names or ["layer4"])[-1]
-
-
 def attribution_sizes(limits: Limits, m: ServedModel, spec: AttributionSpec, h: int, w: int
                       ) -> tuple[int, int]:
     """(answer, memory) bytes per image at input HxW; refuses what cannot fit."""
@@ -189,7 +177,8 @@ def attribution_sizes(limits: Limits, m: ServedModel, spec: AttributionSpec, h: 
     table = m.layer_table(h, w)
     k = spec.targets_per_image
     if spec.method.is_cam:
-        per_map = h * w if spec.upsample else math.prod(entry(table, spec.layer).shape[1:])
+        e = entry(table, spec.layer)
+        per_map = h * w if spec.upsample else math.prod(map_shape(e.shape, e.layout))
     else:
         per_map = 3 * h * w
     answer = k * per_map * 4 + SUMMARY_BYTES
@@ -227,7 +216,8 @@ class AttributeRun:
     def outputs(self) -> list[list[AttributionOutput]]:
         """Per image, its one AttributionOutput (the job's state is freed)."""
         spec = self.items[0].job.spec
-        return [[_output(spec, r)] for r in self.job.finish()]
+        labels = self.items[0].model.labels
+        return [[_output(spec, r, labels)] for r in self.job.finish()]
 
     def step(self, device: Device) -> bool:
         """One pass, unless its call ended; True when the batch is over."""
@@ -276,18 +266,23 @@ def start_run(model: ServedModel, x: torch.Tensor, items: list[WorkItem], room: 
     memory = attribution_memory(model, h, w, spec.layer or None, spec.targets_per_image,
                                 spec.upsample)
     plan = pass_plan(spec, len(items), memory, room, cfg)
-    tap = None
+    tap = grid = None
     if spec.method.is_cam:
         path, call = model.layer_index[spec.layer]
         tap = Tap(model.modules[path], call, split_input_name(spec.layer)[1], spec.layer)
+        layout = entry(model.layer_table(*x.shape[2:]), spec.layer).layout
+        grid = functools.partial(to_grid, layout=layout)
     black = ((0.0 - model.mean) / model.std).to(x.dtype)
     job = AttributionJob(model.module, x, spec, [it.target for it in items], plan,
-                         tap=tap, black=black)
+                         tap=tap, black=black, grid=grid)
     return AttributeRun(items, job, memory.job(len(items), plan.rows))
 
 
-def _output(spec: AttributionSpec, r: ImageAttribution) -> AttributionOutput:
+def _output(spec: AttributionSpec, r: ImageAttribution, labels: tuple[str, ...]
+            ) -> AttributionOutput:
     t = r.map
     return AttributionOutput(spec.layer, DType.FLOAT32, tuple(t.shape),
                              memoryview(t.reshape(-1).view(torch.uint8).numpy()),
-                             targets=tuple(r.targets), top5=tuple(r.top5))
+                             targets=tuple(dataclasses.replace(x, target=named(x.target, labels))
+                                           for x in r.targets),
+                             top5=tuple(named(s, labels) for s in r.top5))

@@ -15,6 +15,7 @@ from ..attribution_spec import AttributionSpec
 from ..capture.attribute import PassPlan
 from ..capture.table import LayerInfo, entry, split_input_name
 from ..capture.tap import graph_bytes
+from ..layouts import map_shape
 from ..models import ServedModel
 from .config import EngineConfig
 
@@ -73,7 +74,7 @@ def attribution_memory(m: ServedModel, h: int, w: int, layer: str | None,
         start = _first_order(table, e.module) if on_input else e.order
         path, call = m.layer_index[layer]
         tap = (path, call, on_input)
-        maps = math.prod(e.shape[1:]) + (h * w if upsample else 0)
+        maps = math.prod(map_shape(e.shape, e.layout)) + (h * w if upsample else 0)
     after = [li.bytes_per_image for li in leaves if li.order > start]
     before = [li.bytes_per_image + (0 if getattr(m.modules[li.module], "inplace", False)
                                     else li.input_bytes)

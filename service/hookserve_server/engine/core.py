@@ -14,6 +14,7 @@ Data flow for one image::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import threading
@@ -24,11 +25,11 @@ from concurrent.futures import Future
 from ..allocator import MemoryReturn
 from ..attribution_spec import AttributionSpec
 from ..cache.front import AnswerCache
-from ..capture.table import INPUT_SUFFIX, LayerInfo, split_input_name
+from ..capture.table import INPUT_SUFFIX, LayerInfo, entry, split_input_name
 from ..errors import InvalidArgument, ModelNotFound
 from ..models import ServedModel
 from ..preprocess.geometry import fixed_input_size, validate_preprocess
-from ..spec import ExtractionSpec, ImageInput, LayerSpec, Mode, Preprocess
+from ..spec import ExtractionSpec, ImageInput, LayerSpec, Layout, Mode, Preprocess, Reduction
 from ..telemetry import Telemetry
 from .admission import Admission
 from .attribute import resolve_attribution
@@ -223,7 +224,7 @@ class Engine:
         validate_preprocess(spec.preprocessing)
         self.limits.preprocess(spec.preprocessing)
         fixed = fixed_input_size(spec.preprocessing, m.defaults.crop)
-        job = ExtractJob(self.limits, m, tuple(spec.layers))
+        job = ExtractJob(self.limits, m, with_layouts(m, spec.layers))
         answer = activation = 0  # the size follows the image: checked per image
         if fixed is not None:  # fails fast, before any image is computed
             answer, activation = job.sizes(*fixed)
@@ -272,6 +273,21 @@ class Engine:
     def freed(self, nbytes: int) -> None:
         """An answer of `nbytes` was handed on or dropped (Session)."""
         self.memory.freed(nbytes)
+
+
+def with_layouts(m: ServedModel, layers) -> tuple[LayerSpec, ...]:
+    """The requested layers with their layouts (capture/reduce.py reduces by them);
+    the cls reduction is refused on a layer that is not [T, D]."""
+    table = m.layer_table(*m.defaults.crop)
+    out = []
+    for spec in layers:
+        layout = entry(table, spec.name).layout
+        if spec.reduction is Reduction.CLS and layout is not Layout.TD:
+            raise InvalidArgument(
+                f"reduction cls takes token 0 of a [T, D] layer (a transformer block); "
+                f"layer {spec.name} of {m.name} is {layout.name}: use avg, max or stats")
+        out.append(dataclasses.replace(spec, layout=layout))
+    return tuple(out)
 
 
 def unknown_layer_message(name: str, model: ServedModel) -> str:

@@ -119,7 +119,8 @@ def attribute(inf: Inference, call: rq.InferCall, model: str, method_name: str,
               for i, t in zip(images, per_target, strict=True)]
     results = inf.results(spec, images, stats, on_cancel, deadline, tensor.name)
     outs = [r.outputs[0] for r in results]
-    labels = class_labels(inf.engine.get_model(model).arch)
+    served = inf.engine.get_model(model)
+    labels = served.labels or class_labels(served.arch)
     answer = []
     for name in wanted:
         if name == "map":

@@ -191,7 +191,7 @@ class Inference:
         for plan in plans:
             per_image = [_output(r, plan.name) for r in results]
             if plan.classification:
-                outputs.append(classify(plan, per_image, m.arch))
+                outputs.append(classify(plan, per_image, m.labels or class_labels(m.arch)))
             else:
                 outputs.append(stack(plan.name, per_image))
         return InferAnswer(call.model, call.id, outputs)
@@ -220,10 +220,10 @@ def _output(result: ImageResult, name: str):
 _UNPACK = {DType.FLOAT32: "f", DType.FLOAT16: "e"}
 
 
-def classify(plan: rq.OutPlan, per_image: list, arch: str) -> OutTensor:
+def classify(plan: rq.OutPlan, per_image: list, labels: tuple[str, ...]) -> OutTensor:
     """The top k values of each image as Triton's "value:index:label" BYTES [N, k]
-    (no label part where the model's classes have no names)."""
-    labels = class_labels(arch)
+    (no label part where the model's classes have no names: `labels`, the model's own
+    or its architecture's ImageNet names, do not count one per value)."""
     rows = []
     for o in per_image:
         values = _values(o)
