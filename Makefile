@@ -53,7 +53,7 @@ bench-peers: $(STAMP)  ## hookserve vs LitServe vs a KServe v2 gRPC server, side
 	$(PY) -m pip install -q -e '.[peers]'
 	test -x .venv-kserve/bin/python || $(PYTHON) -m venv .venv-kserve
 	.venv-kserve/bin/python -m pip install -q -r bench/peers/requirements-kserve.txt
-	$(PY) bench/peers/run.py $(ARGS)
+	$(PY) -m bench.peers.run $(ARGS)
 
 docker-smoke: $(STAMP)  ## build the image, run it, extract through it, SIGTERM it
 	bash scripts/docker_smoke.sh

@@ -21,6 +21,7 @@ from hookserve_server.config import ARCHITECTURES
 from hookserve_server.models import build_model
 
 from conftest import RunningServer, rand_image
+from helpers import small_server
 
 #: model -> (input side, {layer: (reduction, its layout)}, default CAM layer)
 CASES = {
@@ -37,9 +38,7 @@ TOL = {"rtol": 1e-3, "atol": 1e-4}
 
 @pytest.fixture(scope="module")
 def families():
-    flags = [a for arch in CASES for a in ("--model", arch)]
-    s = RunningServer([*flags, "--weights", "random", "--seed", "0",
-                       "--max-batch-delay-ms", "2"])
+    s = RunningServer(small_server("--max-batch-delay-ms", "2", models=list(CASES)))
     refs = {arch: build_model(arch, "random", seed=0)[0].eval() for arch in CASES}
     yield s, refs
     s.stop(2.0)

@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_attribute import CAM, grad_at, oracle_model
-from test_stats import numpy_stats
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 
@@ -22,6 +20,8 @@ import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
 
 from conftest import encode, rand_image
+from helpers import numpy_stats
+from oracles import CAM, grad_at, oracle_model
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)

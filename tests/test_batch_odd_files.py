@@ -1,6 +1,6 @@
-"""`hookserve batch` over every kind of name and file a filesystem allows (issue 12,
-defects 4 and 5): each is processed or gets its own error row, the run never hangs or
-crashes, the errors CSV is always valid UTF-8, and resume works.
+"""`hookserve batch` over every kind of name and file a filesystem allows: each is
+processed or gets its own error row, the run never hangs or crashes, the errors CSV is
+always valid UTF-8, and resume works.
 
 The end-to-end runs go through a subprocess with a deadline, so a hang (the old
 behaviour on a FIFO) fails the test instead of blocking the suite.

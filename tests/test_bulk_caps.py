@@ -29,6 +29,7 @@ from hookserve.batch.readers import FIRST_READ
 
 from bulk_faults import FaultyFS, Web, markers, read_out, run_batch, tar_bytes
 from conftest import RunningServer, encode, rand_image
+from helpers import R18
 
 MiB = 1 << 20
 SERVER_LIMIT = 200_000
@@ -38,8 +39,7 @@ GOOD = [encode(rand_image(32, 32, seed=60 + i)) for i in range(3)]
 @pytest.fixture(scope="module")
 def small_server():
     """A server that accepts request messages of at most 200 kB."""
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-size", "1", "--max-message-bytes", str(SERVER_LIMIT)])
+    s = RunningServer([*R18, "--max-batch-size", "1", "--max-message-bytes", str(SERVER_LIMIT)])
     yield s
     s.stop(2.0)
 

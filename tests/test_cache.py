@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -21,9 +20,9 @@ import hookserve
 from hookserve import Layer
 
 from conftest import RunningServer, encode, rand_image
+from helpers import METRICS, small_server, wait_until
 
-BASE = ("--model", "resnet18", "--weights", "random", "--seed", "0",
-        "--max-batch-size", "1", "--max-batch-delay-ms", "1", "--metrics-port", "0")
+BASE = small_server("--max-batch-size", "1", "--max-batch-delay-ms", "1", *METRICS)
 
 
 def sample(server: RunningServer, name: str, **labels) -> float:
@@ -259,15 +258,15 @@ class Redis:
         import redis
 
         client = redis.Redis(port=self.port, socket_connect_timeout=1)
-        end = time.monotonic() + 20
-        while True:  # until it takes connections (a process start, not an ordering)
+        def up() -> bool:
             try:
-                client.ping()
-                break
+                return bool(client.ping())
             except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > end:
+                if self.proc.poll() is not None:
                     raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+                return False
+
+        wait_until(up, 20, "redis-server to take connections", every=0.05)
         client.close()
 
     def kill(self) -> None:

@@ -15,13 +15,9 @@ import pytest
 import hookserve
 
 from conftest import encode, rand_image
+from helpers import hs
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def hs(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hookserve.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_describe_prints_the_layer_table(server):

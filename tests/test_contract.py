@@ -1,5 +1,5 @@
 """The server's layout keeps its rules: no grpc in the engine, no torch in the servicer,
-no import cycles (type-checking imports counted), small files. (The value lists'
+no import cycles (type-checking and function-level imports counted), small files. (The value lists'
 agreement with the proto: tests/test_value_lists.py.)"""
 
 from __future__ import annotations
@@ -9,63 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import assert_no_new_cycles, import_graph
+
 SERVER = Path(__file__).resolve().parents[1] / "service" / "hookserve_server"
 
 # -- layout rules ------------------------------------------------------------------------
 
-def _module_name(f: Path) -> str:
-    parts = f.relative_to(SERVER.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _module_imports(f: Path) -> set[str]:
-    """hookserve_server modules `f` imports at its top level, those under TYPE_CHECKING
-    included (a type-only import is still an edge of the design), not inside
-    functions."""
-    pkg = _module_name(f) if f.name == "__init__.py" else _module_name(f).rpartition(".")[0]
-    out: set[str] = set()
-
-    def visit(stmts):
-        for node in stmts:
-            if isinstance(node, ast.If):
-                visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-            elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                out.add(mod)
-                out.update(f"{mod}.{a.name}" for a in node.names)
-    visit(ast.parse(f.read_text()).body)
-    return out
-
-
-def _graph() -> dict[str, set[str]]:
-    files = {_module_name(f): f for f in SERVER.rglob("*.py")}
-    return {m: {i for i in _module_imports(f) if i in files and i != m}
-            for m, f in files.items()}
-
-
-def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for nxt in graph[todo.pop()]:
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
-
-
 def test_no_import_cycles_and_no_big_files():
-    graph = _graph()
-    cycles = sorted(m for m in graph if m in _reaches(graph, m))
-    assert not cycles, cycles
+    graph = import_graph(SERVER.parent, "hookserve_server")
+    assert_no_new_cycles(graph)
     # The engine's shared types are a leaf of the engine: every stage may import them.
     engine = "hookserve_server.engine"
     assert not {m for m in graph[f"{engine}.types"] if m.startswith(engine)}

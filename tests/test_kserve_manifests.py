@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_manifests import K8S_VERSIONS, _validate, env_names
 
 from hookserve.cli import build_parser
+
+from helpers import K8S_VERSIONS, env_names, kubernetes_validate
 
 KSERVE = Path(__file__).resolve().parents[1] / "deploy" / "kserve"
 
@@ -60,4 +61,4 @@ def test_runtime_container_validates(tmp_path, version):
            "spec": {"containers": [c]}}
     f = tmp_path / "pod.yaml"
     f.write_text(yaml.safe_dump(pod))
-    _validate([str(f)], version)
+    kubernetes_validate([str(f)], version)

@@ -17,6 +17,7 @@ from hookserve_server.errors import ConfigError
 from hookserve_server.models import imagenet_cache_path
 
 from conftest import RunningServer, encode, rand_image
+from helpers import R18
 
 CLASSES = 10
 NAMES = [f"class {chr(ord('a') + i)}" for i in range(CLASSES)]
@@ -96,8 +97,7 @@ def test_bad_labels_flags_are_refused_before_loading(tmp_path, spec, match):
     (tmp_path / "f.txt").write_text("a\n")
     spec = spec.format(f=tmp_path / "f.txt", d=tmp_path)
     with pytest.raises(ConfigError, match=match):
-        RunningServer(["--model", "resnet18", "--weights", "random", "--labels", spec],
-                      start=False)
+        RunningServer([*R18, "--labels", spec], start=False)
 
 
 def test_imagenet_weights_carry_torchvisions_category_names(make_server, monkeypatch,

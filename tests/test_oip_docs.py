@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import RunningServer, encode, rand_image
+from helpers import small_server
 
 pytest.importorskip("tritonclient.grpc", reason="pip install hookserve[oip-clients]")
 pytest.importorskip("starlette", reason="pip install hookserve[http]")
@@ -25,8 +26,7 @@ def blocks(lang: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def doc_server(tmp_path_factory):
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--http-port", "0"])
+    s = RunningServer(small_server("--http-port", "0"))
     folder = tmp_path_factory.mktemp("images")
     paths = []
     for i in range(3):

@@ -17,12 +17,12 @@ import pytest
 import hookserve
 
 from conftest import RunningServer, encode, rand_image
+from helpers import small_server
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install hookserve[oip-clients]")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-       "--max-batch-delay-ms", "2"]
+R18 = small_server("--max-batch-delay-ms", "2")
 LAYERS = {"layer3.1.conv2": {}, "layer4": {"reduction": "avg"},
           "layer2.0.relu_1": {"reduction": "max", "dtype": "float16"}}
 IMAGES = [rand_image(40 + 8 * i, 48, seed=i) for i in range(3)]

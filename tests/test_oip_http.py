@@ -18,6 +18,7 @@ import pytest
 import hookserve
 
 from conftest import RunningServer, encode, rand_image
+from helpers import METRICS, ServeProcess, computed, small_server, wait_until
 
 pytest.importorskip("starlette", reason="pip install hookserve[http]")
 pytest.importorskip("uvicorn", reason="pip install hookserve[http]")
@@ -25,8 +26,7 @@ httpclient = pytest.importorskip("tritonclient.http",
                                  reason="pip install hookserve[oip-clients]")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-       "--max-batch-delay-ms", "2", "--http-port", "0"]
+R18 = small_server("--max-batch-delay-ms", "2", "--http-port", "0")
 IMAGES = [encode(rand_image(40 + 8 * i, 48, seed=i)) for i in range(3)]
 
 
@@ -164,9 +164,8 @@ def test_hookserve_serve_process_with_both_front_doors():
     import signal
 
     import tritonclient.grpc as grpcclient
-    from test_faults import ServeProcess
-    proc = ServeProcess("--model", "resnet18", "--weights", "random", "--seed", "0",
-                        "--http-port", "0")
+
+    proc = ServeProcess(*small_server("--http-port", "0"))
     try:
         line = ""
         while "REST routes on" not in line:
@@ -215,8 +214,7 @@ def test_a_client_that_goes_away_cancels_its_infer():
     """A REST client disconnects while its 60 images are at the model: the call is
     cancelled, the images not yet at the model are dropped (the model's image counter
     stops short), and the call counts as failed, not answered."""
-    from test_faults import computed, wait_until
-    s = RunningServer([*R18, "--metrics-port", "0", "--max-batch-size", "1"])
+    s = RunningServer([*R18, *METRICS, "--max-batch-size", "1"])
     try:
         n = 60
         raw = b"".join(struct.pack("<I", len(b)) + b for b in

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import RunningServer, encode, rand_image
+from helpers import small_server
 
 pytest.importorskip("starlette", reason="pip install hookserve[http]")
 pytest.importorskip("uvicorn", reason="pip install hookserve[http]")
@@ -45,9 +46,8 @@ def kserve_run(tmp_path_factory):
     answers (.npz)."""
     tmp = tmp_path_factory.mktemp("kserve")
     (tmp / "token").write_text(TOKEN + "\n")
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-delay-ms", "2", "--http-port", "0",
-                       "--auth-token-file", str(tmp / "token")])
+    s = RunningServer(small_server("--max-batch-delay-ms", "2", "--http-port", "0",
+                                   "--auth-token-file", str(tmp / "token")))
     try:
         paths = []
         for i, img in enumerate(IMAGES):

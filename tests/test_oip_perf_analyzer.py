@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import RunningServer, encode, rand_image
+from helpers import R18
 
 pytestmark = pytest.mark.slow
 PA_WHEEL = "tritonclient==2.47.0"
@@ -81,7 +82,7 @@ def perf_analyzer():
 
 def test_perf_analyzer_concurrency_1_and_4(perf_analyzer, tmp_path):
     binary, env = perf_analyzer
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0"])
+    s = RunningServer(R18)
     try:
         img = encode(rand_image(64, 64))
         data = {"data": [{"IMAGE": {"b64": base64.b64encode(

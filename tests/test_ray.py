@@ -16,6 +16,7 @@ import pytest
 from hookserve.ray import HookserveMapper
 
 from conftest import encode, rand_image
+from helpers import R18
 
 LAYERS = ["layer4", "fc"]
 
@@ -114,8 +115,7 @@ def test_every_bad_cell_is_a_row_not_an_exception(make_server, tmp_path):
     """Cells that are not image bytes (an integer would become a gigabyte of zeros as
     bytes), empty cells, a cell over what the server accepts, paths that are not
     text, and a call that fails with something other than a HookserveError."""
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-message-bytes", "100000")
+    s = make_server(*R18, "--max-message-bytes", "100000")
     m = HookserveMapper(s.address, ["fc"], reduction="avg")
     good = _images(1)[0]
     cells = [good, 10**9, "text", None, {"path": "x.png"}, [1, 2], np.int64(7),

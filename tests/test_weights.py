@@ -15,6 +15,7 @@ from hookserve_server.errors import ConfigError
 from hookserve_server.models import build_model, imagenet_cache_path, state_dict_digest
 
 from conftest import rand_image
+from helpers import R18, small_server
 
 
 def _save_seeded(path, arch="resnet18", seed=123):
@@ -46,8 +47,7 @@ def test_per_model_weights_and_dataparallel_prefix(make_server, tmp_path):
     ref = _save_seeded(path, "vgg11", seed=7)
     sd = {f"module.{k}": v for k, v in ref.state_dict().items()}  # saved from DataParallel
     torch.save(sd, path)
-    s = make_server("--model", "resnet18", "--model", "vgg11", "--weights", "random",
-                    "--weights", f"vgg11={path}")
+    s = make_server(*small_server(models=("resnet18", "vgg11")), "--weights", f"vgg11={path}")
     with s.client() as c:
         by_name = {m.name: m for m in c.list_models()}
     assert by_name["resnet18"].weights_source == "random"
@@ -125,7 +125,6 @@ def test_flags_that_would_break_the_server_are_refused_at_startup(flag, value):
     from hookserve.cli import build_parser
     from hookserve_server.app import build
 
-    args = build_parser().parse_args(["serve", "--model", "resnet18", "--weights", "random",
-                                      "--device", "cpu", flag, value])
+    args = build_parser().parse_args(["serve", *R18, "--device", "cpu", flag, value])
     with pytest.raises(ConfigError, match=flag):
         build(args)
