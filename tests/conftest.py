@@ -7,6 +7,7 @@ exercise the real start-up path. Weights are seeded random (no downloads here).
 from __future__ import annotations
 
 import io
+import shutil
 import socket
 from collections.abc import Callable, Iterator
 
@@ -18,6 +19,7 @@ import hookserve
 from hookserve.cli import build_parser
 from hookserve_server.app import build
 
+import helpers
 from helpers import small_server
 
 
@@ -175,3 +177,14 @@ def encode(arr: np.ndarray, fmt: str = "PNG", **kw) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, fmt, **kw)
     return buf.getvalue()
+
+
+@pytest.fixture
+def redis_server():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    pytest.importorskip("redis", reason="the redis client is not installed "
+                                        "(pip install 'hookserve[cache]')")
+    r = helpers.Redis()
+    yield r
+    r.kill()

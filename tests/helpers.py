@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -357,3 +358,84 @@ def assert_no_new_cycles(graph: dict[str, set[str]]) -> None:
     mine = {c for c in KNOWN_CYCLES if c[0] in graph}
     gone = sorted(mine - found)
     assert not gone, f"no longer a cycle, remove from tests/helpers.py KNOWN_CYCLES: {gone}"
+
+
+# -- the answer cache: counts from a server's metrics, a real redis-server ----------
+
+CACHE_BASE = small_server("--max-batch-size", "1", "--max-batch-delay-ms", "1", *METRICS)
+
+
+def sample(server, name: str, **labels) -> float:
+    return server.telemetry.registry.get_sample_value(name, labels) or 0.0
+
+
+def forwards(server) -> float:
+    """Images that went through a forward pass so far."""
+    return sample(server, "hookserve_batch_size_sum", model="resnet18")
+
+
+def events(server, tier: str = "local") -> dict[str, float]:
+    return {e: sample(server, "hookserve_cache_events_total", tier=tier, event=e)
+            for e in ("hit", "miss", "coalesced", "eviction", "error", "store")}
+
+
+class Counting:
+    """Forwards and cache events of one server since it was made."""
+
+    def __init__(self, server, tier: str = "local") -> None:
+        self.server, self.tier = server, tier
+        self.f0, self.e0 = forwards(server), events(server, tier)
+
+    @property
+    def forwards(self) -> float:
+        return forwards(self.server) - self.f0
+
+    def __getattr__(self, event: str) -> float:
+        return events(self.server, self.tier)[event] - self.e0[event]
+
+
+def one(client, image, layers, **kw):
+    """One image through extract_many (its Result carries `cached`), errors raised."""
+    (r,) = client.extract_many([image], layers, **kw)
+    r.raise_for_error()
+    return r
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Redis:
+    """A redis-server process on loopback, no persistence."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        import redis
+
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                return False
+
+        wait_until(up, 20, "redis-server to take connections", every=0.05)
+        client.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def shared_server(make_server, redis_server, *flags: str) :
+    # A generous timeout: this machine is shared; the killed-Redis test sets its own.
+    return make_server(*CACHE_BASE, "--cache-url", redis_server.url, "--cache-timeout-ms", "2000",
+                       *flags)

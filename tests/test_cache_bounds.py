@@ -15,14 +15,13 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from test_cache import BASE, Counting, one, redis_server, sample, shared_server
 
 import hookserve
 from hookserve import Layer
 
 from conftest import encode, rand_image
-
-__all__ = ["redis_server"]  # a fixture, used by name
+from helpers import CACHE_BASE as BASE
+from helpers import Counting, one, sample, shared_server
 
 IG = dict(layer=None, method="integrated_gradients", target=3, steps=300)
 

@@ -105,17 +105,17 @@ CASES: dict[str, Case] = {
         ["--model", "resnet18", "--weights", "imagenet", "--no-download"],
         ("downloads are off", "--weights PATH")),
     # the answer cache's Redis URL: read as redis-py reads it, and nothing of ours in it
-    "cache_url_port": Case([*R18, "--cache-url", "redis://127.0.0.1:abc/0"],
+    "cache_url_port": Case([*CPU_R18, "--cache-url", "redis://127.0.0.1:abc/0"],
                            ("--cache-url", "'abc'")),
-    "cache_url_db": Case([*R18, "--cache-url", "redis://127.0.0.1:6379/x"],
+    "cache_url_db": Case([*CPU_R18, "--cache-url", "redis://127.0.0.1:6379/x"],
                          ("--cache-url", "database", "must be a number")),
-    "cache_url_timeout": Case([*R18, "--cache-url",
+    "cache_url_timeout": Case([*CPU_R18, "--cache-url",
                                "redis://127.0.0.1:6379/0?socket_timeout=30"],
                               ("remove socket_timeout", "--cache-timeout-ms")),
-    "cache_url_host": Case([*R18, "--cache-url", "redis://no-such-host.invalid:6379/0"],
+    "cache_url_host": Case([*CPU_R18, "--cache-url", "redis://no-such-host.invalid:6379/0"],
                            ("--cache-url", "cannot resolve 'no-such-host.invalid'")),
     "cache_url_password_not_echoed": Case(
-        [*R18, "--cache-url", "redis://user:s3cret@127.0.0.1:99999/0"],
+        [*CPU_R18, "--cache-url", "redis://user:s3cret@127.0.0.1:99999/0"],
         ("--cache-url", "127.0.0.1:99999/0", "Port out of range")),
     # after loading: the warm-up image cannot pass the limits
     "warmup_refused": Case([*CPU_R18, "--max-input-side", "16"], ("warm-up failed",),
