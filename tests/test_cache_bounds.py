@@ -325,3 +325,28 @@ def test_an_image_out_of_restarts_gets_unavailable(cached_spec):
     assert isinstance(error, Unavailable) and "retry" in str(error)
     assert len(computing) == 1
     cache.close()
+
+
+def test_replicas_with_other_class_names_share_no_attribution(make_server, redis_server,
+                                                              tmp_path):
+    """The same weights under other --labels: an Attribute answer (its top 5 carries the
+    names) is never read from the other replica's work."""
+    files = []
+    for tag in ("a", "b"):
+        f = tmp_path / f"{tag}.txt"
+        f.write_text("".join(f"{tag}-class-{i}\n" for i in range(1000)))
+        files.append(f)
+    first = shared_server(make_server, redis_server, "--cache-bytes", "16MiB",
+                          "--labels", f"resnet18={files[0]}")
+    second = shared_server(make_server, redis_server, "--labels", f"resnet18={files[1]}")
+    img = rand_image(seed=901)
+    with first.client(timeout=120) as c:
+        a = c.attribute(img, "layer4", "grad_cam", native=True)
+        again = c.attribute(img, "layer4", "grad_cam", native=True)
+    assert not a.cached and again.cached  # the first replica's own work is reused
+    assert first.engine.cache.shared.flush()
+    with second.client(timeout=120) as c:
+        b = c.attribute(img, "layer4", "grad_cam", native=True)
+    assert not b.cached, "an answer carrying other class names was read from Redis"
+    assert {s.label.split("-")[0] for s in b.top5} == {"b"}
+    np.testing.assert_array_equal(a.map, b.map)  # the same weights: the same map

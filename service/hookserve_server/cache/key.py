@@ -6,8 +6,9 @@ Attribute. A key is the digest of, in order:
 
 - a format tag (a change of layout never reads an old value);
 - the image's own bytes (encoded, or raw pixels with their height and width);
-- what computes: architecture, weights digest (sha256 of the state dict), precision,
-  memory format, device type; the versions of hookserve, torch, torchvision and
+- what computes: architecture, weights digest (sha256 of the state dict), the class
+  names (an Attribute answer's top 5 carries them), precision, memory format, device
+  type; the versions of hookserve, torch, torchvision and
   Pillow; whether JPEGs are decoded on the model's GPU (``--gpu-decode``);
 - the resolved preprocessing: the resize and crop the geometry rule gives for the
   requested mode, and the model's mean, std and interpolation;
@@ -32,7 +33,7 @@ from ..preprocess.geometry import geometry_params
 from ..spec import ImageInput, LayerSpec, Preprocess
 
 #: Bumped whenever the layout below or the encoded value changes.
-FORMAT = b"hookserve-cache-v2"
+FORMAT = b"hookserve-cache-v3"
 
 #: The code that decodes, preprocesses and computes: another version may answer
 #: differently.
@@ -59,7 +60,8 @@ def image_digest(image: ImageInput) -> bytes:
 
 def model_part(m: ServedModel, gpu_decode: bool = False) -> tuple:
     """What computes the answer: a different entry means a different key."""
-    return (m.arch, m.weights.digest, m.dtype.name, m.channels_last, m.device.type,
+    labels = hashlib.sha256("\n".join(m.labels).encode()).digest()
+    return (m.arch, m.weights.digest, labels, m.dtype.name, m.channels_last, m.device.type,
             *VERSIONS, gpu_decode and m.device.type == "cuda")
 
 
