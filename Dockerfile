@@ -134,7 +134,9 @@ LABEL org.opencontainers.image.title="hookserve" \
 
 USER 1000:1000
 WORKDIR /home/hookserve
-EXPOSE 50051 9090
+# 8080: the Open Inference Protocol's REST routes, when HOOKSERVE_HTTP_PORT=8080 is set
+# (build with EXTRAS including http; deploy/kserve runs it so).
+EXPOSE 50051 9090 8080
 
 # Asks grpc.health.v1 (open even with --auth-token-file). The start period covers model
 # loading and warm-up; a server draining after SIGTERM reports NOT_SERVING -> unhealthy.

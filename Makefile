@@ -9,10 +9,10 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[server,batch,dev]'
+	$(PY) -m pip install -q -e '.[server,batch,dev,http,oip-clients]'
 	touch $(STAMP)
 
-.PHONY: setup serve test test-slow test-ray lint proto bench bench-quick docker-smoke clean
+.PHONY: setup serve test test-slow test-ray test-kserve lint proto bench bench-quick docker-smoke clean
 
 setup: $(STAMP)  ## create .venv and install everything
 
@@ -28,6 +28,12 @@ test-slow: $(STAMP)  ## soak and property-based tests
 test-ray: $(STAMP)  ## the Ray Data adapter inside Ray (installs the ray extra first)
 	$(PY) -m pip install -q -e '.[ray]'
 	$(PY) -m pytest -q -m ray $(PYTEST_ARGS)
+
+# kserve pins protobuf < 7: its clients run in a venv of their own, .venv-kserve.
+test-kserve: $(STAMP)  ## KServe's own clients (gRPC and REST) against a real server
+	test -x .venv-kserve/bin/python || $(PYTHON) -m venv .venv-kserve
+	.venv-kserve/bin/python -m pip install -q -r tests/requirements-kserve.txt
+	$(PY) -m pytest -q tests/test_oip_kserve.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check client service tests bench tools
@@ -47,7 +53,7 @@ bench-peers: $(STAMP)  ## hookserve vs LitServe vs a KServe v2 gRPC server, side
 	$(PY) -m pip install -q -e '.[peers]'
 	test -x .venv-kserve/bin/python || $(PYTHON) -m venv .venv-kserve
 	.venv-kserve/bin/python -m pip install -q -r bench/peers/requirements-kserve.txt
-	$(PY) bench/peers/run.py $(ARGS)
+	$(PY) -m bench.peers.run $(ARGS)
 
 docker-smoke: $(STAMP)  ## build the image, run it, extract through it, SIGTERM it
 	bash scripts/docker_smoke.sh

@@ -1,4 +1,4 @@
-"""Bulk at data-lake scale (issue 14): sharded `hookserve batch` from S3 vs local disk,
+"""Bulk at data-lake scale: sharded `hookserve batch` from S3 vs local disk,
 the Ray Data adapter vs the local CLI, and the client's memory from 10k to 100k images.
 
     python bench/bulk.py                 # the full run (a few minutes on 2 cores)

@@ -68,13 +68,13 @@ class Proc:
     """A server subprocess whose port is read from its output."""
 
     def __init__(self, name: str, argv: list[str], port_re: str, timeout: float = 300,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, cwd: str | Path | None = None) -> None:
         self.name = name
         self.lines: list[str] = []
         self._port: queue.Queue = queue.Queue()
         self._re = re.compile(port_re)
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, bufsize=1, env=env,
+                                  text=True, bufsize=1, env=env, cwd=cwd,
                                   # its own process group: stop() signals the whole group,
                                   # so servers that fork workers (LitServe) leave no orphans
                                   start_new_session=True)

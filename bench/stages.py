@@ -1,9 +1,9 @@
 """Where one image's time goes through hookserve: a per-stage split, and a check that
 the server's own stage metrics add up to what the client sees.
 
-    .venv/bin/python bench/stages.py                  # resnet50 layer4 avg, 40 images
-    .venv/bin/python bench/stages.py --model resnet18 --images 60
-    .venv/bin/python bench/stages.py --model resnet18 --layer conv1 --side 32 --native
+    .venv/bin/python -m bench.stages                  # resnet50 layer4 avg, 40 images
+    .venv/bin/python -m bench.stages --model resnet18 --images 60
+    .venv/bin/python -m bench.stages --model resnet18 --layer conv1 --side 32 --native
                                       # (almost no compute: the service's own overhead)
 
 One client sends one 224 px JPEG at a time (`Client.extract`, i.e. the ExtractImage
@@ -27,7 +27,8 @@ import urllib.request
 from pathlib import Path
 from statistics import median
 
-from common import (
+import hookserve
+from bench.common import (
     BENCH,
     HOOKSERVE_PORT_RE,
     Proc,
@@ -37,11 +38,7 @@ from common import (
     new_results,
     write_results,
 )
-
-import hookserve
-
-sys.path.insert(0, str(BENCH / "peers"))
-from hooked import Hooked  # noqa: E402  (bench/peers: the same work, in process)
+from bench.peers.hooked import Hooked  # the same work, in process
 
 #: (label, from probe, to probe); "client_send"/"client_done" are the client's clock.
 STAGES = [

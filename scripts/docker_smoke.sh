@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make docker-smoke`: build the hookserve image and prove it serves.
 #
-#   1. finds a Docker engine (or starts dockerd the way ../shared/docs/machine.md says,
-#      when dockerd is installed and we are root), and a base image: BASE_IMAGE if set,
+#   1. finds a Docker engine (or starts dockerd with its state under DOCKER_ROOT, when
+#      dockerd is installed and we are root), and a base image: BASE_IMAGE if set,
 #      else python:3.11-slim if a registry answers, else a Debian base built locally
 #      with debootstrap (local/debian-py:bookworm);
 #   2. fills deploy/wheels/ from the host's package index (pip download) and builds

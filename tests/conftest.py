@@ -7,6 +7,7 @@ exercise the real start-up path. Weights are seeded random (no downloads here).
 from __future__ import annotations
 
 import io
+import shutil
 import socket
 from collections.abc import Callable, Iterator
 
@@ -17,6 +18,9 @@ from PIL import Image
 import hookserve
 from hookserve.cli import build_parser
 from hookserve_server.app import build
+
+import helpers
+from helpers import small_server
 
 
 class RunningServer:
@@ -45,8 +49,7 @@ class RunningServer:
         self.server.stop(grace)
 
 
-DEFAULT_FLAGS = ["--model", "resnet18", "--model", "vgg11", "--weights", "random",
-                 "--seed", "0", "--max-batch-delay-ms", "2"]
+DEFAULT_FLAGS = small_server("--max-batch-delay-ms", "2", models=("resnet18", "vgg11"))
 
 
 @pytest.fixture(scope="session")
@@ -94,8 +97,40 @@ def det_server() -> Iterator[RunningServer]:
     """resnet18, random weights (seed 0), --max-batch-size 1: an image's features do not
     depend on which images shared its batch, so outputs of different runs (1 or 4
     workers, killed and resumed) compare bit for bit."""
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-size", "1"])
+    s = RunningServer(small_server("--max-batch-size", "1"))
+    yield s
+    s.stop(2.0)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """Certificates made for this module (tests/certs.py): a server CA, a client CA and
+    a rogue CA, with a server, a client and a rogue certificate of each side."""
+    from certs import CA
+
+    d = tmp_path_factory.mktemp("pki")
+    server_ca, client_ca, rogue_ca = CA("server", d), CA("clients", d), CA("rogue", d)
+    return {
+        "dir": d,
+        "server_ca": server_ca,
+        "client_ca": client_ca,
+        "rogue_ca": rogue_ca,
+        "server": server_ca.issue("hookserve-server", server=True),
+        "client": client_ca.issue("trainer-1", server=False),
+        "rogue_client": rogue_ca.issue("intruder", server=False),
+        "rogue_server": rogue_ca.issue("fake-server", server=True),
+    }
+
+
+TOKEN = "s3cret-token-4f1c9a"
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory) -> Iterator[RunningServer]:
+    """resnet18 behind a bearer token (TOKEN), read from an --auth-token-file."""
+    f = tmp_path_factory.mktemp("auth") / "token"
+    f.write_text(TOKEN + "\n")       # a trailing newline, as editors write it, is ignored
+    s = RunningServer(small_server("--max-batch-delay-ms", "2", "--auth-token-file", str(f)))
     yield s
     s.stop(2.0)
 
@@ -142,3 +177,14 @@ def encode(arr: np.ndarray, fmt: str = "PNG", **kw) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, fmt, **kw)
     return buf.getvalue()
+
+
+@pytest.fixture
+def redis_server():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    pytest.importorskip("redis", reason="the redis client is not installed "
+                                        "(pip install 'hookserve[cache]')")
+    r = helpers.Redis()
+    yield r
+    r.kill()

@@ -14,28 +14,18 @@ import time
 import grpc
 import numpy as np
 import pytest
-from test_faults import R18, answered, computed
-from test_security import BASE, TOKEN, pki, token_server  # noqa: F401 (fixtures)
 
 import hookserve
 import hookserve.aio
 
-from conftest import encode, rand_image
+from conftest import TOKEN, encode, rand_image
+from helpers import METRICS, R18, answered, computed, wait_until
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 240))
-
-
-async def until(cond, timeout: float = 30.0, what: str = "") -> None:
-    """Wait, without blocking the loop, for a real condition; fail after `timeout`."""
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        await asyncio.sleep(0.01)
 
 
 def calls(s, code: str, method: str = "Extract") -> int:
@@ -139,8 +129,8 @@ def test_extract_many_is_lazy_and_windowed_over_sync_and_async_sources(server, i
 
 
 def test_failover_mid_stream_loses_and_duplicates_no_image(make_server):
-    a = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
-    b = make_server(*R18)
+    a = make_server(*R18, *METRICS, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
+    b = make_server(*R18, *METRICS)
     data = [rand_image(64, 64, i) for i in range(40)]
     with b.client(timeout=120) as cb:
         ref = [r.features["layer4"] for r in cb.extract_many(data, "layer4", reduction="avg")]
@@ -171,7 +161,7 @@ def test_failover_mid_stream_loses_and_duplicates_no_image(make_server):
 
 
 def test_a_dead_address_is_skipped_and_all_dead_is_unavailable(make_server, imgs):
-    live = make_server("--model", "resnet18", "--weights", "random")
+    live = make_server(*R18)
 
     async def main():
         async with hookserve.aio.Client(["127.0.0.1:9", live.address], retries=2,
@@ -190,9 +180,9 @@ def test_a_dead_address_is_skipped_and_all_dead_is_unavailable(make_server, imgs
     run(main())
 
 
-def test_token_and_tls(token_server, pki, make_server, monkeypatch):  # noqa: F811
+def test_token_and_tls(token_server, pki, make_server, monkeypatch):
     monkeypatch.delenv("HOOKSERVE_TOKEN", raising=False)
-    tls = make_server(*BASE, "--tls-cert", str(pki["server"].cert_path),
+    tls = make_server(*R18, "--max-batch-delay-ms", "2", "--tls-cert", str(pki["server"].cert_path),
                       "--tls-key", str(pki["server"].key_path))
     img = rand_image(32, 32)
 
@@ -246,7 +236,7 @@ def test_timeouts_bound_every_call(server, silent_address, imgs):
 
 @pytest.mark.parametrize("how", ["aclose", "cancel the task"])
 def test_cancelling_the_iterator_cancels_the_call(make_server, how):
-    s = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
+    s = make_server(*R18, *METRICS, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
     data = [rand_image(64, 64, i) for i in range(200)]
 
     async def main():
@@ -270,9 +260,11 @@ def test_cancelling_the_iterator_cancels_the_call(make_server, how):
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            await until(lambda: calls(s, "CANCELLED") == 1, what="the call to be cancelled")
-            await until(lambda: s.server.servicer.open_streams == 0, what="no open stream")
-            await until(lambda: s.engine.queued == 0, what="queued images dropped")
+            # waited for in a thread: the loop goes on meanwhile
+            for cond, what in [(lambda: calls(s, "CANCELLED") == 1, "the call to be cancelled"),
+                               (lambda: s.server.stream_caps.work_streams == 0, "no open stream"),
+                               (lambda: s.engine.queued == 0, "queued images dropped")]:
+                await asyncio.to_thread(wait_until, cond, 30, what)
             # The window bounds what was sent: nothing beyond it was computed.
             assert computed(s) - base <= 8 + 2
             # The client goes on working after a cancelled stream.

@@ -9,12 +9,11 @@ import sys
 import h5py
 import numpy as np
 from PIL import Image
-from test_cli import hs
-from test_stats import numpy_stats
 
 import hookserve
 
 from conftest import encode, rand_image
+from helpers import hs, numpy_stats
 
 
 def test_attribute_writes_an_overlay_and_the_map_per_image(server, client, tmp_path):

@@ -16,8 +16,6 @@ import time
 import grpc
 import numpy as np
 import pytest
-from test_attribute import NATIVE, attribute, image_req, ok
-from test_faults import wait_until
 
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
@@ -26,10 +24,10 @@ from hookserve_server.errors import Cancelled, DeadlineExceeded
 from hookserve_server.spec import Mode, Preprocess
 
 from conftest import rand_image
+from helpers import NATIVE, R18, attribute, image_req, ok, wait_until
 
 IG = pb.ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS
-ONE_ROW = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-           "--attribution-pass-cost", "3"]
+ONE_ROW = [*R18, "--attribution-pass-cost", "3"]
 LONG = pb.AttributionSpec(method=IG, preprocessing=NATIVE, ig_steps=340)
 LONG_PASSES = 341
 
@@ -148,8 +146,7 @@ def test_deadline_passing_mid_batch_ends_it(one_row):
 def test_cost_cap_bounds_a_batch(make_server):
     # Integrated Gradients with 32 steps costs 99 per image: a cap of 200 admits two
     # images to a batch. A long batch delay would otherwise gather all six.
-    flags = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-             "--max-batch-delay-ms", "500"]
+    flags = [*R18, "--max-batch-delay-ms", "500"]
     capped = make_server(*flags, "--max-attribution-cost", "200")
     whole = make_server(*flags)
     spec = pb.AttributionSpec(method=IG, preprocessing=NATIVE, ig_steps=32)

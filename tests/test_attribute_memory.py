@@ -1,9 +1,9 @@
-"""The memory an Attribute job holds, estimated (engine/attribute.py,
+"""The memory an Attribute job holds, estimated (engine/attribute_memory.py,
 `attribution_memory`) and measured: the estimate bounds the measured peak and is not
 far above it.
 
 Each case runs in a child process: a warm-up job, then `malloc_trim` and a reset of
-the peak (VmHWM), then the same job again through the engine's own `start_job` and
+the peak (VmHWM), then the same job again through the engine's own `start_run` and
 passes. glibc is told to map every block over 64 KiB on its own
 (MALLOC_MMAP_THRESHOLD_), so a freed tensor leaves the resident set and the peak
 counts tensors alive at once, not the allocator's reuse. The child runs torch on two
@@ -27,9 +27,10 @@ from concurrent.futures import Future
 import torch
 from hookserve_server.attribution_spec import AttributeInput, AttributionSpec, Method
 from hookserve_server.capture.forward import stack_inputs
-from hookserve_server.engine.attribute import start_job
+from hookserve_server.engine.attribute import start_run
 from hookserve_server.engine.core import Engine
-from hookserve_server.engine.types import CallState, EngineConfig, WorkItem
+from hookserve_server.engine.config import EngineConfig
+from hookserve_server.engine.types import CallState, WorkItem
 from hookserve_server.models import ServedModel, build_model
 from hookserve_server.spec import Mode, Preprocess
 
@@ -47,9 +48,9 @@ pixels = [torch.randint(0, 256, (3, side, side), dtype=torch.uint8, generator=g)
           for _ in range(images)]
 
 def run():
-    items = [WorkItem(m, p, (), 0, CallState(), Future(),
-                      task=spec.task_for(AttributeInput("x"))) for p in pixels]
-    job = start_job(m, stack_inputs(m, pixels, m.device), items, cfg.max_batch_bytes, cfg)
+    items = [WorkItem(m, p, spec.job, 0, CallState(), Future(),
+                      target=spec.job.target_of(AttributeInput("x"))) for p in pixels]
+    job = start_run(m, stack_inputs(m, pixels, m.device), items, cfg.max_batch_bytes, cfg)
     while not job.job.run_pass():
         pass
     return job, job.outputs()

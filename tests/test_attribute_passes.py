@@ -12,23 +12,23 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from test_attribute import NATIVE, attribute, call_error, model_input, ok, oracle_model
 
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve_server.attribution_spec import AttributeInput, AttributionSpec, Method
+from hookserve_server.engine.config import EngineConfig
 from hookserve_server.engine.core import Engine
-from hookserve_server.engine.types import EngineConfig
 from hookserve_server.models import ServedModel, build_model
 from hookserve_server.spec import Mode, Preprocess
 
 from conftest import rand_image
+from helpers import NATIVE, R18, attribute, call_error, ok
+from oracles import model_input, oracle_model
 
 GRAD_TOL = {"rtol": 1e-3, "atol": 1e-7}
 CAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
 IG = pb.ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS
 SG = pb.ATTRIBUTION_METHOD_SMOOTH_GRAD
-FLAGS = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-         "--max-batch-delay-ms", "200"]
+FLAGS = [*R18, "--max-batch-delay-ms", "200"]
 
 
 @pytest.fixture(scope="module")

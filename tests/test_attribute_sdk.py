@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_attribute import CAM, grad_at, oracle_model
-from test_stats import numpy_stats
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 
@@ -22,6 +20,8 @@ import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
 
 from conftest import encode, rand_image
+from helpers import numpy_stats
+from oracles import CAM, grad_at, oracle_model
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
@@ -113,8 +113,8 @@ def test_attribute_many_is_lazy_ordered_with_per_image_targets_and_errors(client
 def test_errors_are_typed(client, imgs):
     with pytest.raises(hookserve.InvalidArgument, match="1000 classes"):
         client.attribute(imgs[0], target=1000, **GEOMETRY)
-    with pytest.raises(hookserve.InvalidArgument, match="layer"):  # a CAM method needs one
-        client.attribute(imgs[0], None, "grad_cam", **GEOMETRY)
+    with pytest.raises(hookserve.InvalidArgument, match="layer"):  # fc is not a map
+        client.attribute(imgs[0], "fc", "grad_cam", **GEOMETRY)
     with pytest.raises(hookserve.InvalidArgument, match="--max-attribution-cost"):
         client.attribute(imgs[0], method="integrated_gradients", steps=5000)
     with pytest.raises(hookserve.NotFound):

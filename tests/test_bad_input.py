@@ -7,6 +7,7 @@ Raw hookserve.v1 stubs are used where the SDK would refuse to send the bad thing
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 
@@ -19,6 +20,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from conftest import RunningServer, encode, rand_image
+from helpers import R18
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 CODE = {c.value[0]: c for c in grpc.StatusCode}
@@ -108,8 +110,7 @@ def ppm_bytes() -> bytes:
 @pytest.fixture(scope="module")
 def limited() -> RunningServer:
     """resnet18 with small limits, so each limit can be crossed cheaply."""
-    s = RunningServer(["--model", "resnet18", "--weights", "random", "--seed", "0",
-                       "--max-batch-delay-ms", "2",
+    s = RunningServer([*R18, "--max-batch-delay-ms", "2",
                        "--max-image-pixels", "40000",          # 200x200
                        "--max-response-bytes", "1000000",      # 1 MB per image
                        "--max-message-bytes", str(1 << 20),    # 1 MiB per request message
@@ -290,7 +291,10 @@ def test_oversized_request_message_is_refused(limited):
     ans = extract_raw(limited.address, [spec_msg(), img_msg(encode(rand_image(32, 32))),
                                         img_msg(big)])
     assert ans.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "larger than max" in ans.details.lower() or "message" in ans.details.lower()
+    # gRPC's own refusal names the message's size and the limit (--max-message-bytes).
+    m = re.search(r"larger than max \((\d+) vs\. (\d+)\)", ans.details)
+    assert m, ans.details
+    assert int(m[2]) == 1 << 20 and int(m[1]) > len(big), ans.details
     # The server is fine afterwards.
     with limited.client(timeout=30) as c:
         assert c.extract(rand_image(32, 32), "conv1", reduction="avg")["conv1"].shape == (64,)

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import h5py
 import numpy as np
@@ -28,6 +27,7 @@ from hookserve.batch.sinks.npy import safe_relpath
 from hookserve.cli import main
 
 from conftest import encode, rand_image
+from helpers import R18, wait_until
 
 N_GOOD = 240
 CORRUPT = ["b/garbage.jpg", "b/empty.png", "c/truncated.png", "a/text.jpeg"]
@@ -216,8 +216,7 @@ def test_shards_cover_the_input_exactly_once(images, server, tmp_path, capsys):
 
 def test_losing_one_of_two_servers_mid_run_loses_nothing(images, make_server, tmp_path):
     root, good = images
-    flags = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-             "--max-batch-delay-ms", "2", "--max-batch-size", "8"]
+    flags = [*R18, "--max-batch-delay-ms", "2", "--max-batch-size", "8"]
     a, b = make_server(*flags), make_server(*flags)
     out = str(tmp_path / "two")
     index = os.path.join(out, "index.jsonl")
@@ -234,9 +233,7 @@ def test_losing_one_of_two_servers_mid_run_loses_nothing(images, make_server, tm
         except FileNotFoundError:
             return 0
 
-    deadline = time.monotonic() + 60
-    while lines() < 40 and t.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.005)  # polling a real condition (rows written), bounded
+    wait_until(lambda: lines() >= 40 or not t.is_alive(), 60, "40 rows written")
     written_before = lines()
     a.stop(0)  # server A goes away with images in flight on its streams
     t.join(120)
@@ -269,9 +266,7 @@ def test_kill_9_mid_run_then_resume(fmt, images, server, tmp_path):
         except (OSError, FileNotFoundError, KeyError, ValueError):
             return 0
 
-    deadline = time.monotonic() + 120
-    while committed() < 24 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # polling a real condition (rows on disk), bounded
+    wait_until(lambda: committed() >= 24 or proc.poll() is not None, 120, "24 rows on disk")
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
@@ -298,10 +293,8 @@ def test_sigterm_saves_progress_and_exits_130(images, server, tmp_path):
            *OPTS, "--server", server.address, "--streams", "1", "--max-in-flight", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     index = os.path.join(out, "index.jsonl")
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline and not (
-            os.path.exists(index) and os.path.getsize(index) > 2000):
-        time.sleep(0.01)  # polling a real condition (rows on disk), bounded
+    wait_until(lambda: proc.poll() is not None or (
+        os.path.exists(index) and os.path.getsize(index) > 2000), 120, "rows on disk")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()
@@ -314,8 +307,7 @@ def test_sigterm_saves_progress_and_exits_130(images, server, tmp_path):
 
 def test_overloaded_server_is_retried_not_failed(images, make_server, tmp_path, capsys):
     root, good = images
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-queue", "2", "--queue-wait-ms", "0", "--max-batch-delay-ms", "2")
+    s = make_server(*R18, "--max-queue", "2", "--queue-wait-ms", "0", "--max-batch-delay-ms", "2")
     src = tmp_path / "src"
     src.mkdir()
     for p in good[:40]:
@@ -424,8 +416,7 @@ def test_size_limit_errors_are_final_not_retried(images, make_server, tmp_path, 
     # A per-image RESOURCE_EXHAUSTED without a retry hint (here: the answer is over
     # --max-response-bytes at the image's native size) would fail again: no retries.
     root, good = images
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-response-bytes", "5000")  # warm-up (fc) needs 4000
+    s = make_server(*R18, "--max-response-bytes", "5000")  # warm-up (fc) needs 4000
     src = tmp_path / "src"
     src.mkdir()
     for p in good[:3]:

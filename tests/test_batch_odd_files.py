@@ -1,6 +1,6 @@
-"""`hookserve batch` over every kind of name and file a filesystem allows (issue 12,
-defects 4 and 5): each is processed or gets its own error row, the run never hangs or
-crashes, the errors CSV is always valid UTF-8, and resume works.
+"""`hookserve batch` over every kind of name and file a filesystem allows: each is
+processed or gets its own error row, the run never hangs or crashes, the errors CSV is
+always valid UTF-8, and resume works.
 
 The end-to-end runs go through a subprocess with a deadline, so a hang (the old
 behaviour on a FIFO) fails the test instead of blocking the suite.
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from hookserve import errors
 from hookserve.batch.inputs import decode_name, encode_name, read_bytes
-from hookserve.batch.run import plan
+from hookserve.batch.local_run import plan
 from hookserve.batch.scheduler import Scheduler, Streams
 from hookserve.types import Layer
 

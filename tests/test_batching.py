@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -28,19 +27,10 @@ from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.models import build_model
 
 from conftest import encode, rand_image
+from helpers import R18, wait_until
 
 SIDE = 64  # native 64x64 images: cheap forward passes on a 2-core CPU
-FLAGS = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-         "--max-batch-size", "8", "--max-batch-delay-ms", "2000", "--metrics-port", "0"]
-
-
-def wait_for(cond, what: str, timeout: float = 30.0) -> None:
-    """Wait for a real condition, polling, with a bounded deadline."""
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
+FLAGS = [*R18, "--max-batch-size", "8", "--max-batch-delay-ms", "2000", "--metrics-port", "0"]
 
 
 class Gate:
@@ -132,7 +122,7 @@ def test_concurrent_requests_form_one_batch_with_single_image_results(gated):
         holder = hold_worker(srv, gate, pool)
         count0, sum0 = batch_size_samples(srv)
         futs = [pool.submit(one, srv, img, layers) for img in images]
-        wait_for(lambda: srv.engine.queued == 9, "8 clients' images to be queued")
+        wait_until(lambda: srv.engine.queued == 9, what="8 clients' images to be queued")
         gate.release.set()
         results = [f.result(timeout=120) for f in futs]
         holder.result(timeout=120)
@@ -151,14 +141,13 @@ def test_concurrent_requests_form_one_batch_with_single_image_results(gated):
 def test_batched_equals_unbatched_server(make_server, gated):
     """A --max-batch-size 1 server gives the same tensors as a batch of 8."""
     srv, gate = gated
-    single = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                         "--max-batch-size", "1")
+    single = make_server(*R18, "--max-batch-size", "1")
     images = [rand_image(SIDE, SIDE, 100 + s) for s in range(8)]
     layers = {"layer2": {"reduction": "none"}, "layer4": {"reduction": "avg"}}
     with ThreadPoolExecutor(9) as pool:
         holder = hold_worker(srv, gate, pool)
         futs = [pool.submit(one, srv, img, layers) for img in images]
-        wait_for(lambda: srv.engine.queued == 9, "8 clients' images to be queued")
+        wait_until(lambda: srv.engine.queued == 9, what="8 clients' images to be queued")
         gate.release.set()
         batched = [f.result(timeout=120) for f in futs]
         holder.result(timeout=120)
@@ -185,7 +174,7 @@ def test_different_layer_sets_in_one_batch_get_only_their_own(gated):
     with ThreadPoolExecutor(len(asks) + 1) as pool:
         holder = hold_worker(srv, gate, pool)
         futs = [pool.submit(one, srv, img, layers, **opts) for layers, opts in asks]
-        wait_for(lambda: srv.engine.queued == len(asks) + 1, "all requests to be queued")
+        wait_until(lambda: srv.engine.queued == len(asks) + 1, what="all requests to be queued")
         gate.release.set()
         got = [f.result(timeout=120) for f in futs]
         holder.result(timeout=120)
@@ -205,8 +194,7 @@ def test_different_layer_sets_in_one_batch_get_only_their_own(gated):
 
 
 def test_queue_is_bounded_and_overflow_gets_resource_exhausted(make_server):
-    srv = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                      "--max-queue", "2", "--queue-wait-ms", "100")
+    srv = make_server(*R18, "--max-queue", "2", "--queue-wait-ms", "100")
     gate = Gate(srv.engine.models["resnet18"].module)
     images = [rand_image(SIDE, SIDE, s) for s in range(2)]
     try:
@@ -216,7 +204,7 @@ def test_queue_is_bounded_and_overflow_gets_resource_exhausted(make_server):
                 filler = pool.submit(lambda: [r.raise_for_error() for r in ca.extract_many(
                     images, ["layer1"], crop=SIDE, max_in_flight=2)])
                 assert gate.entered.wait(30)
-                wait_for(lambda: srv.engine.queued == 2, "the queue to be full")
+                wait_until(lambda: srv.engine.queued == 2, what="the queue to be full")
                 # The queue is full and the worker is held: a third image waits
                 # --queue-wait-ms and is refused with a retry hint.
                 with srv.client(timeout=120) as cb:
@@ -232,7 +220,7 @@ def test_queue_is_bounded_and_overflow_gets_resource_exhausted(make_server):
                     assert "layer1" in cb.extract(images[0], ["layer1"], native=True)
     finally:
         gate.remove()
-    wait_for(lambda: srv.engine.queued == 0, "the queue to drain")
+    wait_until(lambda: srv.engine.queued == 0, what="the queue to drain")
 
 
 def test_cancelled_stream_drops_its_queued_images_and_breaks_nothing(gated):
@@ -251,11 +239,11 @@ def test_cancelled_stream_drops_its_queued_images_and_breaks_nothing(gated):
             pb.ExtractRequest(image=to_image(a, str(i)))
             for i, a in enumerate(doomed)]
         call = pb_grpc.FeatureExtractorStub(ch).Extract(iter(reqs), timeout=120)
-        wait_for(lambda: srv.engine.queued == 7, "the doomed stream's images to be queued")
+        wait_until(lambda: srv.engine.queued == 7, what="the doomed stream's images to be queued")
         with srv.client(timeout=120) as c:
             other = pool.submit(lambda: [r.raise_for_error() for r in c.extract_many(
                 others, ["layer3"], crop=SIDE, max_in_flight=3)])
-            wait_for(lambda: srv.engine.queued == 10, "the other stream's images")
+            wait_until(lambda: srv.engine.queued == 10, what="the other stream's images")
             call.cancel()
             with pytest.raises(grpc.RpcError) as info:
                 list(call)
@@ -267,9 +255,9 @@ def test_cancelled_stream_drops_its_queued_images_and_breaks_nothing(gated):
     for feats, want in zip(got, reference(others, ["layer3"]), strict=True):
         assert_close(feats["layer3"], want["layer3"])
     assert sum(gate.sizes[forwards_before:]) == len(others)
-    wait_for(lambda: srv.engine.queued == 0, "the queue to empty")
+    wait_until(lambda: srv.engine.queued == 0, what="the queue to empty")
     # Only the gate's own pre-hook is left.
-    wait_for(lambda: srv.engine.hook_count() == 1, "hooks to be removed")
+    wait_until(lambda: srv.engine.hook_count() == 1, what="hooks to be removed")
     # And the server still serves.
     with srv.client(timeout=120) as c:
         assert c.extract(others[0], ["layer3"], native=True)["layer3"].shape[0] == 256
@@ -277,8 +265,7 @@ def test_cancelled_stream_drops_its_queued_images_and_breaks_nothing(gated):
 
 # -- --gpu-decode: no GPU here, so the CPU fallback and the tensor path are tested ------
 def test_gpu_decode_flag_falls_back_to_cpu_decoding(make_server):
-    srv = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                      "--gpu-decode")
+    srv = make_server(*R18, "--gpu-decode")
     assert srv.engine.config.gpu_decode is True
     img = rand_image(SIDE, SIDE, 3)
     with srv.client(timeout=120) as c:

@@ -1,4 +1,4 @@
-"""Issue 12, defects 1 and 2: every client-controlled cost is bounded before it is paid.
+"""Every client-controlled cost is bounded before it is paid.
 
 1. Geometry: every intermediate size (decoded, resized, cropped) is computed from the
    image header before decoding and checked against the limits; a tiny PNG can no
@@ -22,16 +22,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
-from test_memory_return import rss
 
 import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve_server.preprocess.geometry import DECODE_BYTES_PER_PIXEL, RESIZE_BYTES_PER_PIXEL
 
 from conftest import encode, rand_image
+from helpers import rss, small_server
 
-R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-       "--max-batch-delay-ms", "2"]
+FAST = small_server("--max-batch-delay-ms", "2")
 MiB = 1 << 20
 CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
@@ -121,7 +120,7 @@ ANSWER = 64 * 384 * 384 * 4       # 37.7 MB, over glibc's mmap threshold
 
 
 def test_a_stream_that_is_not_read_holds_its_buffer_and_one_answer(make_server):
-    s = make_server(*R18, "--max-stream-buffer-bytes", str(64 * MiB))
+    s = make_server(*FAST, "--max-stream-buffer-bytes", str(64 * MiB))
     with grpc.insecure_channel(s.address) as ch:
         # warm the allocator and the model at this size
         assert _answers(_extract(ch)(iter([_spec(), _raw(0, SIDE)]))) == {"0": "OK"}
@@ -138,7 +137,7 @@ def test_a_stream_that_is_not_read_holds_its_buffer_and_one_answer(make_server):
 
 
 def test_all_streams_together_stay_within_the_global_budget(make_server):
-    s = make_server(*R18, "--max-stream-buffer-bytes", str(80 * MiB),
+    s = make_server(*FAST, "--max-stream-buffer-bytes", str(80 * MiB),
                     "--max-buffer-bytes", str(80 * MiB))
     n = 3
     with grpc.insecure_channel(s.address) as ch:
@@ -169,7 +168,7 @@ def test_all_streams_together_stay_within_the_global_budget(make_server):
 
 
 def test_an_answer_over_the_whole_budget_is_refused_without_retry_hint(make_server):
-    s = make_server(*R18, "--max-stream-buffer-bytes", str(32 * MiB))
+    s = make_server(*FAST, "--max-stream-buffer-bytes", str(32 * MiB))
     with s.client(timeout=60, retries=0) as c:
         results = list(c.extract_many([np.zeros((SIDE, SIDE, 3), np.uint8),
                                        rand_image(64, 64)], ["conv1"], native=True))
@@ -228,7 +227,7 @@ def test_preprocessing_peak_memory_is_within_the_documented_formula(h, w, resize
 
 
 def test_preprocessing_memory_budget_refuses_what_could_never_fit(make_server):
-    s = make_server(*R18, "--max-preprocess-bytes", str(50_000_000))
+    s = make_server(*FAST, "--max-preprocess-bytes", str(50_000_000))
     with s.client(timeout=60, retries=0) as c:
         results = list(c.extract_many([np.zeros((1500, 1500, 3), np.uint8),  # 54 MB
                                        np.zeros((1000, 1000, 3), np.uint8)],  # 24 MB

@@ -18,10 +18,11 @@ import pytest
 
 from hookserve.batch import run_shard
 from hookserve.batch.errors import EXIT_INCOMPLETE, FINAL_CODES, is_final
-from hookserve.batch.shardrun import ShardIncomplete
+from hookserve.batch.shard_output import ShardIncomplete
 
 from bulk_faults import FaultyFS, markers, read_out, run_batch, tar_bytes
 from conftest import encode, rand_image
+from helpers import R18
 
 IMAGES = [(f"{i:03d}.png", encode(rand_image(32, 32, seed=40 + i))) for i in range(4)]
 TAR = tar_bytes(IMAGES + [("000.json", b"{}")])
@@ -138,8 +139,7 @@ def _has(module: str) -> bool:
 def test_resource_exhausted_is_not_final(det_server, make_server, tmp_path, capsys):
     """An image over a server budget: its row is RESOURCE_EXHAUSTED, the shard stays
     open; against a server with room, the rerun finishes it."""
-    small = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                        "--max-batch-size", "1", "--max-stream-buffer-bytes", "8000")
+    small = make_server(*R18, "--max-batch-size", "1", "--max-stream-buffer-bytes", "8000")
     tar = tmp_path / "s.tar"
     tar.write_bytes(TAR)
     out = tmp_path / "o.npy"  # fc and layer1 (64x8x8, 16 KB an answer: over 8000 bytes)

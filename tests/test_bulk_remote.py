@@ -1,5 +1,5 @@
 """Sharded `hookserve batch` over object stores, WebDataset tars and Parquet image
-columns (issue 14), on loopback: moto's ThreadedMotoServer (a real S3 API over HTTP on
+columns, on loopback: moto's ThreadedMotoServer (a real S3 API over HTTP on
 127.0.0.1:0), fsspec's memory://, and tars and Parquet files written here.
 
 The server runs with --max-batch-size 1, so an image's features do not depend on which
@@ -26,10 +26,11 @@ import pytest
 
 from hookserve.batch import plan_shards, run_shard
 from hookserve.batch.remote import expand_braces, parse_storage_options
-from hookserve.batch.shards import select
+from hookserve.batch.shard_plan import select
 from hookserve.cli import main
 
 from conftest import encode, rand_image
+from helpers import wait_until
 
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -292,11 +293,9 @@ def test_sigterm_stops_a_sharded_run_with_130(det_server, tmp_path):
     cmd = [sys.executable, "-m", "hookserve.cli", "batch", str(tmp_path / "{0..3}.tar"),
            "--out", str(out), "--streams", "1", "--server", det_server.address, *OPTS]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if out.is_dir() and any(n.startswith("_done-") for n in os.listdir(out)):
-            break
-        time.sleep(0.01)  # polling a real condition (a marker on disk), bounded
+    wait_until(lambda: proc.poll() is not None or (
+        out.is_dir() and any(n.startswith("_done-") for n in os.listdir(out))),
+        120, "a marker on disk")
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=60)[1].decode()
     assert proc.returncode == 130, err

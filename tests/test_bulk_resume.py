@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -24,6 +23,7 @@ from hookserve.cli import main
 
 from bulk_faults import OPTS, Web, markers, tar_bytes
 from conftest import encode, rand_image
+from helpers import wait_until
 
 N_TARS, PER_TAR = 4, 6
 TARS = [tar_bytes([(f"{t}-{i}.png", encode(rand_image(32, 32, seed=t * 10 + i)))
@@ -114,12 +114,9 @@ def test_kill_9_and_resume_equals_an_uninterrupted_run(det_server, tmp_path, req
              "--streams", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
         want = 2 if where != "s3" else 1
-        deadline = time.monotonic() + 120
         try:
-            while time.monotonic() < deadline and proc.poll() is None:
-                if out.is_dir() and len(markers(str(out))) >= want:
-                    break
-                time.sleep(0.01)  # polling a real condition (markers on disk), bounded
+            wait_until(lambda: proc.poll() is not None or (
+                out.is_dir() and len(markers(str(out))) >= want), 120, f"{want} markers")
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()

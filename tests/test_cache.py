@@ -8,57 +8,16 @@ Forwards are counted by the server's own Prometheus metrics (images per forward 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import threading
-import time
 
 import numpy as np
 import pytest
 
-import hookserve
 from hookserve import Layer
 
 from conftest import RunningServer, encode, rand_image
-
-BASE = ("--model", "resnet18", "--weights", "random", "--seed", "0",
-        "--max-batch-size", "1", "--max-batch-delay-ms", "1", "--metrics-port", "0")
-
-
-def sample(server: RunningServer, name: str, **labels) -> float:
-    return server.telemetry.registry.get_sample_value(name, labels) or 0.0
-
-
-def forwards(server: RunningServer) -> float:
-    """Images that went through a forward pass so far."""
-    return sample(server, "hookserve_batch_size_sum", model="resnet18")
-
-
-def events(server: RunningServer, tier: str = "local") -> dict[str, float]:
-    return {e: sample(server, "hookserve_cache_events_total", tier=tier, event=e)
-            for e in ("hit", "miss", "coalesced", "eviction", "error", "store")}
-
-
-class Counting:
-    """Forwards and cache events of one server since it was made."""
-
-    def __init__(self, server: RunningServer, tier: str = "local") -> None:
-        self.server, self.tier = server, tier
-        self.f0, self.e0 = forwards(server), events(server, tier)
-
-    @property
-    def forwards(self) -> float:
-        return forwards(self.server) - self.f0
-
-    def __getattr__(self, event: str) -> float:
-        return events(self.server, self.tier)[event] - self.e0[event]
-
-
-def one(client: hookserve.Client, image, layers, **kw) -> hookserve.Result:
-    (r,) = client.extract_many([image], layers, **kw)
-    r.raise_for_error()
-    return r
+from helpers import CACHE_BASE as BASE
+from helpers import Counting, events, one, sample, shared_server
 
 
 @pytest.fixture(scope="module")
@@ -239,58 +198,7 @@ def test_cache_flags_are_checked(make_server):
             make_server(*BASE, "--cache-bytes", bad)
 
 
-# -- the shared tier: a real redis-server ---------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Redis:
-    """A redis-server process on loopback, no persistence."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        import redis
-
-        client = redis.Redis(port=self.port, socket_connect_timeout=1)
-        end = time.monotonic() + 20
-        while True:  # until it takes connections (a process start, not an ordering)
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > end:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        client.close()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-@pytest.fixture
-def redis_server():
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    pytest.importorskip("redis", reason="the redis client is not installed "
-                                        "(pip install 'hookserve[cache]')")
-    r = Redis()
-    yield r
-    r.kill()
-
-
-def shared_server(make_server, redis_server, *flags: str) -> RunningServer:
-    # A generous timeout: this machine is shared; the killed-Redis test sets its own.
-    return make_server(*BASE, "--cache-url", redis_server.url, "--cache-timeout-ms", "2000",
-                       *flags)
-
+# -- the shared tier: a real redis-server (conftest's redis_server) ----------------
 
 def test_two_replicas_share_redis_and_weights_are_in_the_key(make_server, redis_server):
     first = shared_server(make_server, redis_server, "--cache-bytes", "16MiB")

@@ -15,13 +15,9 @@ import pytest
 import hookserve
 
 from conftest import encode, rand_image
+from helpers import hs
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def hs(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hookserve.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_describe_prints_the_layer_table(server):
@@ -199,6 +195,38 @@ def test_an_output_of_an_unknown_format_is_refused_before_any_call(tmp_path):
         r = hs(*argv, "--server", "127.0.0.1:9")    # nobody listens: nothing is called
         assert r.returncode == 2 and words in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "taken"]
+
+
+@pytest.mark.parametrize("out, extra", [
+    ("q.csv", []), ("feats.npz", []), ("feats.JSON", ["--sharded"]),
+    ("s3://lake/feats.csv", []), ("dir.d/feats.txt", []),
+])
+def test_batch_refuses_an_output_of_an_unknown_format(tmp_path, out, extra):
+    """`hookserve batch --out` with a suffix that is no output format: exit code 2, one
+    line naming the formats, before any server, store or file is touched."""
+    img = tmp_path / "a.png"
+    img.write_bytes(encode(rand_image(40, 40)))
+    target = out if "://" in out else str(tmp_path / out)
+    r = hs("batch", str(img), "--out", target, "--layers", "fc", "--no-progress",
+           "--server", "127.0.0.1:9", *extra)    # nobody listens: nothing is called
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    suffix = os.path.splitext(out)[1]
+    assert f"--out {target}: {suffix} is not an output format" in err, err
+    assert all(f in err for f in ("NAME.h5", ".hdf5", "NAME.parquet", "NAME.npy", "folder"))
+    assert [p.name for p in tmp_path.iterdir()] == ["a.png"]  # nothing written
+
+
+def test_batch_takes_every_documented_output_form(tmp_path):
+    """.h5/.hdf5 (any case), .parquet, NAME.npy, a name without suffix, a trailing /
+    and an existing folder are outputs (--dry-run: counted, no server called)."""
+    img = tmp_path / "a.png"
+    img.write_bytes(encode(rand_image(40, 40)))
+    (tmp_path / "taken.d").mkdir()
+    for out in ("o.h5", "o.HDF5", "o.parquet", "o.npy", "feats", "feats.v2/", "taken.d"):
+        r = hs("batch", str(img), "--out", f"{tmp_path}/{out}", "--layers", "fc",
+               "--no-progress", "--server", "127.0.0.1:9", "--dry-run")
+        assert r.returncode == 0 and "1 to extract" in r.stdout, (out, r.stderr)
 
 
 def test_extract_keys_stay_unique_for_a_path_given_twice(server, tmp_path):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hookserve
 
-FLAGS = ("--model", "resnet18", "--weights", "random")
+from helpers import R18
+
+FLAGS = tuple(R18)
 
 
 def test_dead_address_is_skipped_after_one_failure(make_server):

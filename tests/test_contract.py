@@ -1,5 +1,6 @@
-"""The proto, the wire parser and the reduce table agree; the server's layout keeps its
-rules (no grpc in the engine, no torch in the servicer, no cycles, small files)."""
+"""The server's layout keeps its rules: no grpc in the engine, no torch in the servicer,
+no import cycles (type-checking and function-level imports counted), small files. (The value lists'
+agreement with the proto: tests/test_value_lists.py.)"""
 
 from __future__ import annotations
 
@@ -8,130 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from hookserve.v1 import hookserve_pb2 as pb
-from hookserve_server import wire
-from hookserve_server.capture.reduce import DTYPES, REDUCTIONS
-from hookserve_server.errors import InvalidArgument
-from hookserve_server.spec import DType, Mode, Reduction
+from helpers import assert_no_new_cycles, import_graph
 
 SERVER = Path(__file__).resolve().parents[1] / "service" / "hookserve_server"
 
-#: Proto values whose server side another change is adding right now (issue 13: stats).
-#: Empty this set in the change that adds the table entry.
-PENDING: set[str] = set()
-
-
-def _proto_values(enum_type, prefix: str) -> dict[str, int]:
-    return {name: number for name, number in enum_type.items()
-            if name != f"{prefix}UNSPECIFIED" and name not in PENDING}
-
-
-def _layer(**kw) -> pb.ExtractionSpec:
-    return pb.ExtractionSpec(layers=[pb.LayerRequest(name="conv1", **kw)])
-
-
-@pytest.mark.parametrize("enum_type, prefix, domain, field", [
-    (pb.Reduction, "REDUCTION_", Reduction, "reduction"),
-    (pb.DType, "DTYPE_", DType, "dtype"),
-])
-def test_proto_enum_parser_and_table_agree(enum_type, prefix, domain, field):
-    table = {"reduction": REDUCTIONS, "dtype": DTYPES}[field]
-    proto = _proto_values(enum_type, prefix)
-    # Every proto value is one domain member with the same number, and back.
-    assert sorted(proto.values()) == sorted(m.value for m in domain)
-    for name, number in proto.items():
-        member = domain(number)
-        # Names agree too (AVG_POOL is AVG, MAX_POOL is MAX).
-        assert name.removeprefix(prefix).removesuffix("_POOL") == member.name
-        # The parser turns the proto value into that member...
-        parsed = getattr(wire.to_spec(_layer(**{field: number})).layers[0], field)
-        assert parsed is member
-        # ...and the table has exactly one entry for it.
-        assert member in table
-    assert set(table) == set(domain)
-    # UNSPECIFIED is the default; an unknown number is refused with a clear message.
-    default = getattr(wire.to_spec(_layer()).layers[0], field)
-    assert default is domain(1)
-    with pytest.raises(InvalidArgument, match=f"invalid {field} for conv1"):
-        wire.to_spec(_layer(**{field: 99}))
-
-
-def test_preprocessing_modes_agree():
-    proto = _proto_values(pb.Preprocessing.Mode, "MODE_")
-    assert {n.removeprefix("MODE_"): v for n, v in proto.items()} == {
-        m.name: m.value for m in Mode}
-    for number in proto.values():
-        spec = pb.ExtractionSpec(preprocessing=pb.Preprocessing(mode=number))
-        assert wire.to_spec(spec).preprocessing.mode is Mode(number)
-    assert wire.to_spec(pb.ExtractionSpec()).preprocessing.mode is Mode.DEFAULT
-
-
-def test_reduction_shapes_are_those_the_proto_documents():
-    from hookserve_server.capture.reduce import reduced_shape
-    from hookserve_server.spec import LayerSpec
-
-    shapes = {r: reduced_shape(LayerSpec("x", r), (8, 5, 3)) for r in Reduction}
-    assert shapes == {Reduction.NONE: (8, 5, 3), Reduction.AVG: (8,), Reduction.MAX: (8,),
-                      Reduction.FLATTEN: (120,), Reduction.STATS: (8, 5)}
-
-
 # -- layout rules ------------------------------------------------------------------------
 
-def _module_name(f: Path) -> str:
-    parts = f.relative_to(SERVER.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _module_imports(f: Path) -> set[str]:
-    """hookserve_server modules `f` imports when it is imported (not under
-    TYPE_CHECKING, not inside functions)."""
-    pkg = _module_name(f) if f.name == "__init__.py" else _module_name(f).rpartition(".")[0]
-    out: set[str] = set()
-
-    def visit(stmts):
-        for node in stmts:
-            if isinstance(node, ast.If):
-                if "TYPE_CHECKING" not in ast.unparse(node.test):
-                    visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-            elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                out.add(mod)
-                out.update(f"{mod}.{a.name}" for a in node.names)
-    visit(ast.parse(f.read_text()).body)
-    return out
-
-
-def _graph() -> dict[str, set[str]]:
-    files = {_module_name(f): f for f in SERVER.rglob("*.py")}
-    return {m: {i for i in _module_imports(f) if i in files and i != m}
-            for m, f in files.items()}
-
-
-def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for nxt in graph[todo.pop()]:
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
-
-
 def test_no_import_cycles_and_no_big_files():
-    graph = _graph()
-    cycles = sorted(m for m in graph if m in _reaches(graph, m))
-    assert not cycles, cycles
+    graph = import_graph(SERVER.parent, "hookserve_server")
+    assert_no_new_cycles(graph)
+    # The engine's shared types are a leaf of the engine: every stage may import them.
+    engine = "hookserve_server.engine"
+    assert not {m for m in graph[f"{engine}.types"] if m.startswith(engine)}
     big = {str(f.relative_to(SERVER)): n for f in SERVER.rglob("*.py")
            if (n := len(f.read_text().splitlines())) > 400}
     assert not big, big
@@ -152,7 +41,7 @@ def test_engine_and_capture_import_no_grpc_and_servicer_no_torch():
     for pkg in ("engine", "cache", "capture", "preprocess"):
         for f in (SERVER / pkg).glob("*.py"):
             assert not {"grpc", "grpc_health", "google", "hookserve"} & _source_imports(f), f
-    for name in ("servicer.py", "wire.py", "spec.py", "telemetry.py"):
+    for name in ("servicer.py", "calls.py", "wire.py", "spec.py", "telemetry.py"):
         assert not {"torch", "torchvision"} & _source_imports(SERVER / name), name
     # Transitively too, each in a fresh interpreter.
     torch_free = ("import sys, hookserve_server.servicer, hookserve_server.wire; "

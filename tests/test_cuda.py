@@ -9,13 +9,13 @@ Attribute (the backward pass on the GPU).
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import encode, rand_image
+from helpers import R18, in_threads
 
 # HOOKSERVE_TEST_DEVICE=cpu runs the same checks on the CPU (to check the tests).
 DEVICE = os.environ.get("HOOKSERVE_TEST_DEVICE", "cuda:0")
@@ -26,8 +26,7 @@ LAYERS = ["conv1", "layer1", "layer3.1.conv2", "layer4", "fc"]
 
 
 def cuda_server(make_server, *extra: str):
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-batch-delay-ms", "2", *extra)
+    s = make_server(*R18, "--max-batch-delay-ms", "2", *extra)
     # conftest forces --device cpu first; a later --device wins in argparse.
     return s
 
@@ -69,24 +68,15 @@ def test_cuda_concurrent_streams_batch_and_match(make_server, cpu_answers):
     imgs, want = cpu_answers
     s = cuda_server(make_server, "--device", DEVICE, "--max-batch-size", "16")
     results: dict[int, list] = {}
-    failures: list[BaseException] = []
     pooled_layers = LAYERS[:-1]  # avg pools the spatial axes; fc has none
 
     def run(k: int) -> None:
-        try:
-            with s.client(timeout=120) as c:
-                results[k] = [r.raise_for_error() for r in
-                              c.extract_many([encode(im) for im in imgs] * 3, pooled_layers,
-                                             model="resnet18", reduction="avg")]
-        except BaseException as exc:  # reported below, with the thread's own error
-            failures.append(exc)
+        with s.client(timeout=120) as c:
+            results[k] = [r.raise_for_error() for r in
+                          c.extract_many([encode(im) for im in imgs] * 3, pooled_layers,
+                                         model="resnet18", reduction="avg")]
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+    in_threads(run, range(6), timeout=300)
     assert sorted(results) == list(range(6))
     for k in range(6):
         for i, feats in enumerate(results[k]):

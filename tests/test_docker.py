@@ -33,20 +33,11 @@ import hookserve
 from hookserve.cli import build_parser
 
 from conftest import RunningServer, encode, rand_image
+from helpers import wait_until
 
 IMAGE = os.environ.get("HOOKSERVE_IMAGE", "hookserve:smoke")
 GRACE_S = 10.0
 HOOKSERVE = str(Path(sys.executable).with_name("hookserve"))
-
-
-def wait_for(cond, timeout: float, every: float = 0.2):
-    """Poll `cond` until it returns something truthy (returned) or `timeout` passes."""
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value or time.monotonic() > end:
-            return value
-        time.sleep(every)  # polling a real condition; nothing is ordered by sleeping
 
 
 # ---------------------------------------------------------------- no Docker needed
@@ -208,7 +199,7 @@ def test_image_serves_like_in_process_and_stops_on_sigterm(image, weights_dir, t
             return s["Health"]["Status"] == "healthy"
 
         # Docker's own HEALTHCHECK (hookserve health, every 15 s) must turn healthy.
-        assert wait_for(state, timeout=240, every=1.0), _logs(cid)
+        wait_until(state, 240, "the container to turn healthy", every=1.0)
         host, port = _docker("port", cid, "50051/tcp").splitlines()[0].rsplit(":", 1)
         mhost, mport = _docker("port", cid, "9090/tcp").splitlines()[0].rsplit(":", 1)
         assert _docker("exec", cid, "id", "-u") == "1000"

@@ -7,8 +7,6 @@ torchvision's ImageClassification preset, independent of the server's code).
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -21,6 +19,7 @@ from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.models import build_model
 
 from conftest import encode, rand_image
+from helpers import in_threads
 
 # CPU convolutions may pick different kernels for different batch sizes.
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -233,21 +232,12 @@ def test_concurrent_clients_get_exactly_their_layers(server):
         ref = {k: [c.extract(i, v, resize=64, crop=64) for i in imgs]
                for k, v in asks.items()}
     results: dict[str, list] = {}
-    errors: list[BaseException] = []
 
     def run(key):
-        try:
-            with hookserve.Client(server.address) as c:
-                results[key] = list(c.extract_many(imgs * 2, asks[key], resize=64, crop=64))
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        with hookserve.Client(server.address) as c:
+            results[key] = list(c.extract_many(imgs * 2, asks[key], resize=64, crop=64))
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in asks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors
+    in_threads(run, asks)
     for key, rs in results.items():
         assert [r.index for r in rs] == list(range(len(imgs) * 2))
         for r in rs:

@@ -10,18 +10,17 @@ every kind of bad input with the right code before any tensor, count against
 from __future__ import annotations
 
 import logging
-import threading
 
 import grpc
 import numpy as np
 import pytest
-from test_faults import R18, wait_until
 
 import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from conftest import encode, rand_image
+from helpers import METRICS, R18, in_threads, small_server, wait_until
 
 AVG = {"reduction": "avg"}
 
@@ -83,8 +82,7 @@ def test_same_answer_as_an_extract_stream(client, model, layers, options, form):
 
 
 def test_big_answer_comes_in_chunks_with_no_status_message(make_server):
-    s = make_server("--model", "vgg11", "--weights", "random", "--seed", "0",
-                    "--chunk-bytes", str(1 << 20))
+    s = make_server(*small_server(models=("vgg11",)), "--chunk-bytes", str(1 << 20))
     req = raw_request(png_image(image_id="cat"), layers=(("features.0", pb.REDUCTION_NONE),))
     msgs, code, _ = call_raw(s.address, req)
     assert code == grpc.StatusCode.OK
@@ -164,7 +162,7 @@ def test_sdk_raises_the_typed_error(client):
 
 
 def test_pixel_limit_and_answer_budget(make_server):
-    s = make_server(*R18, "--max-image-pixels", "4000", "--max-stream-buffer-bytes",
+    s = make_server(*R18, *METRICS, "--max-image-pixels", "4000", "--max-stream-buffer-bytes",
                     str(1 << 20))
     msgs, code, details = call_raw(s.address, raw_request(png_image(80, 80)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-image-pixels" in details
@@ -192,14 +190,13 @@ def test_deadline_is_deadline_exceeded_and_the_server_goes_on(server):
 
 
 def test_calls_count_against_max_streams_and_cancel_frees_them(make_server, caplog):
-    s = make_server("--model", "vgg11", "--weights", "random", "--seed", "0",
-                    "--max-streams", "2")
+    s = make_server(*small_server(models=("vgg11",)), "--max-streams", "2")
     # 12.8 MB answers that nobody reads: the handlers block in flow control.
     big = raw_request(png_image(), layers=(("features.0", pb.REDUCTION_NONE),))
     channels = [grpc.insecure_channel(s.address) for _ in range(2)]
     held = [pb_grpc.FeatureExtractorStub(ch).ExtractImage(big, timeout=60) for ch in channels]
     try:
-        wait_until(lambda: s.server.servicer.open_streams == 2, what="two held calls")
+        wait_until(lambda: s.server.stream_caps.work_streams == 2, what="two held calls")
         with s.client(timeout=10, retries=0) as c:
             with pytest.raises(hookserve.errors.ResourceExhausted) as e:
                 c.extract(rand_image(32, 32), "features.3", reduction="avg")
@@ -208,7 +205,7 @@ def test_calls_count_against_max_streams_and_cancel_frees_them(make_server, capl
         with caplog.at_level(logging.ERROR, logger="hookserve"):
             for call in held:
                 call.cancel()
-            wait_until(lambda: s.server.servicer.open_streams == 0, what="cancels to end")
+            wait_until(lambda: s.server.stream_caps.work_streams == 0, what="cancels to end")
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         for ch in channels:
@@ -227,14 +224,14 @@ def test_side_stream_caps_do_not_apply(make_server):
 
     method = "/hookserve.v1.FeatureExtractor/ExtractImage"
     assert method in WORK_STREAMS and method not in SIDE_STREAMS
-    s = make_server("--model", "vgg11", "--weights", "random", "--seed", "0",
+    s = make_server(*small_server(models=("vgg11",)),
                     "--max-streams", "8", "--max-side-streams", "1",
                     "--stream-idle-seconds", "1")
     big = raw_request(png_image(), layers=(("features.0", pb.REDUCTION_NONE),))
     channels = [grpc.insecure_channel(s.address) for _ in range(3)]
     held = [pb_grpc.FeatureExtractorStub(ch).ExtractImage(big, timeout=60) for ch in channels]
     try:
-        wait_until(lambda: s.server.servicer.open_streams == 3, what="three held calls")
+        wait_until(lambda: s.server.stream_caps.work_streams == 3, what="three held calls")
         # Each is then read to its end: none was refused or cut for idling.
         for call in held:
             assert sum(len(m.tensor.data) for m in call) == 64 * 224 * 224 * 4
@@ -244,8 +241,8 @@ def test_side_stream_caps_do_not_apply(make_server):
 
 
 def test_drain_refuses_new_calls_and_the_sdk_moves_to_another_address(make_server):
-    a, b = make_server(*R18), make_server(*R18)
-    a.server.servicer.start_drain()
+    a, b = make_server(*R18, *METRICS), make_server(*R18, *METRICS)
+    a.server.stream_caps.start_drain(a.server.engine.start_drain)
     msgs, code, details = call_raw(a.address, raw_request(png_image()))
     assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
     with hookserve.Client([a.address, b.address], timeout=60) as c:
@@ -256,7 +253,7 @@ def test_drain_refuses_new_calls_and_the_sdk_moves_to_another_address(make_serve
 def test_token_is_required(make_server, tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    s = make_server(*R18, "--auth-token-file", str(token))
+    s = make_server(*R18, *METRICS, "--auth-token-file", str(token))
     msgs, code, _ = call_raw(s.address, raw_request(png_image()))
     assert code == grpc.StatusCode.UNAUTHENTICATED and msgs == []
     msgs, code, _ = call_raw(s.address, raw_request(png_image()),
@@ -268,21 +265,12 @@ def test_concurrent_calls_each_get_their_own_answer(server, client):
     imgs = [rand_image(50, 60, seed=i) for i in range(12)]
     refs = [r.features["layer3"] for r in client.extract_many(imgs, {"layer3": AVG})]
     got: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
 
     def one(i):
-        try:
-            with server.client(timeout=120) as c:
-                got[i] = c.extract(imgs[i], {"layer3": AVG})["layer3"]
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        with server.client(timeout=120) as c:
+            got[i] = c.extract(imgs[i], {"layer3": AVG})["layer3"]
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    in_threads(one, range(12))
     for i in range(12):  # batched with others or not: within batching's float noise
         np.testing.assert_allclose(got[i], refs[i], rtol=1e-4, atol=1e-5)
     wait_until(lambda: server.engine.queued == 0 and server.engine.hook_count() == 0,
@@ -323,7 +311,7 @@ def test_sdk_falls_back_to_extract_on_a_server_without_it(server):
 
 
 def test_calls_are_logged_and_counted_by_method(make_server, caplog):
-    s = make_server(*R18)
+    s = make_server(*R18, *METRICS)
     with caplog.at_level(logging.INFO, logger="hookserve.calls"):
         with s.client(timeout=60) as c:
             c.extract(rand_image(), "layer4", reduction="avg")

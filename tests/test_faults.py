@@ -21,7 +21,6 @@ import textwrap
 import threading
 import time
 import warnings
-from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -34,32 +33,18 @@ from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.engine import Session
 
 from conftest import RunningServer, rand_image
+from helpers import (
+    METRICS,
+    R18,
+    ServeProcess,
+    answered,
+    computed,
+    in_threads,
+    small_server,
+    wait_until,
+)
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
-R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0", "--metrics-port", "0"]
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    """Poll a real condition until it holds; fail after `timeout` seconds."""
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        time.sleep(0.01)
-
-
-def computed(s: RunningServer, model: str = "resnet18") -> int:
-    """Images that went through the model's forward pass on server `s`."""
-    v = s.telemetry.registry.get_sample_value("hookserve_batch_size_sum", {"model": model})
-    return int(v or 0)
-
-
-def answered(s: RunningServer, code: str = "OK", model: str = "resnet18") -> int:
-    v = s.telemetry.registry.get_sample_value("hookserve_images_total",
-                                              {"model": model, "code": code})
-    return int(v or 0)
-
-
 def sessions(s: RunningServer) -> list[Session]:
     """The Extract sessions of server `s` that anything still references."""
     gc.collect()
@@ -131,7 +116,7 @@ class HeldStream:
 
 
 def test_cancel_mid_stream_drops_queued_work_and_others_dont_notice(make_server, caplog):
-    s = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
+    s = make_server(*R18, *METRICS, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
     imgs = [rand_image(64, 64, i) for i in range(60)]
     with s.client(timeout=120) as c:
         reference = c.extract(imgs[0], "layer4", reduction="avg")["layer4"]
@@ -152,7 +137,7 @@ def test_cancel_mid_stream_drops_queued_work_and_others_dont_notice(make_server,
     for r in other:
         np.testing.assert_allclose(r.features["layer4"], reference, rtol=1e-4, atol=1e-5)
     wait_until(lambda: s.engine.queued == 0, what="admitted images to be dropped")
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the cancelled call to end")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0, what="the cancelled call to end")
     # Of the 60 cancelled images, most never reached the model.
     cancelled_work = computed(s) - base - 20
     assert 1 <= cancelled_work < 30, cancelled_work
@@ -201,17 +186,18 @@ CLIENT_SCRIPT = textwrap.dedent("""
 
 
 def test_killed_client_process_costs_nothing(make_server):
-    s = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
+    s = make_server(*R18, *METRICS, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
     base = computed(s)
     p = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, s.address],
                          stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "answered"
-        wait_until(lambda: s.server.servicer.open_streams == 1, what="the call to be open")
+        wait_until(lambda: s.server.stream_caps.work_streams == 1, what="the call to be open")
     finally:
         p.kill()                                        # SIGKILL: no goodbye on the wire
         p.wait(30)
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the server to see the disconnect")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0,
+               what="the server to see the disconnect")
     wait_until(lambda: s.engine.queued == 0, what="the dead client's images to be dropped")
     assert computed(s) - base < 30
     assert s.engine.hook_count() == 0
@@ -221,7 +207,7 @@ def test_killed_client_process_costs_nothing(make_server):
 
 
 def test_work_for_an_expired_call_is_not_started(make_server):
-    s = make_server(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
+    s = make_server(*R18, *METRICS, "--max-batch-size", "2", "--max-batch-delay-ms", "1")
     base = computed(s)
     n = 150
     stream = HeldStream(s.address, timeout=0.5)
@@ -231,19 +217,19 @@ def test_work_for_an_expired_call_is_not_started(make_server):
     stream.close()
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: s.engine.queued == 0, what="expired images to be dropped")
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the expired call to end")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0, what="the expired call to end")
     done = computed(s) - base
     assert done < n // 2, f"{done} of {n} images computed for an expired call"
     assert len(codes) <= done
 
 
 def test_sdk_deadline_is_a_typed_error(make_server):
-    s = make_server(*R18)
+    s = make_server(*R18, *METRICS)
     with s.client(timeout=0.001, retries=0) as c:
         with pytest.raises(hookserve.errors.DeadlineExceeded):
             c.extract(rand_image(224, 224), "layer4")
     wait_until(lambda: s.engine.queued == 0, what="the queue to empty")
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the call to end")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0, what="the call to end")
 
 
 # -- slow reader -------------------------------------------------------------------------
@@ -254,7 +240,7 @@ def test_slow_reader_gets_backpressure_not_unbounded_buffers(make_server, native
     # vgg11 features.0 at 224 is 64x224x224 float32 = 12.8 MB per image; a 40 MB stream
     # buffer allows 3 answered-but-unsent images. With native sizes the answer size is
     # not known in advance: the stream takes one image, then sizes its window by it.
-    s = make_server("--model", "vgg11", "--weights", "random", "--metrics-port", "0",
+    s = make_server(*small_server(models=("vgg11",)), *METRICS,
                     "--max-stream-buffer-bytes", str(40 << 20), "--max-batch-size", "2",
                     "--max-batch-delay-ms", "1")
     window = (40 << 20) // (64 * 224 * 224 * 4)
@@ -283,28 +269,19 @@ def test_slow_reader_gets_backpressure_not_unbounded_buffers(make_server, native
 
 
 def test_100_concurrent_streams_against_a_small_queue(make_server):
-    s = make_server(*R18, "--max-queue", "4", "--queue-wait-ms", "50",
+    s = make_server(*R18, *METRICS, "--max-queue", "4", "--queue-wait-ms", "50",
                     "--max-batch-size", "4", "--max-batch-delay-ms", "1")
     imgs = [rand_image(64, 64, i) for i in range(3)]
     opts = dict(layers="layer4", reduction="avg", resize=64, crop=64)
     with s.client(timeout=120) as c:
         ref = [c.extract(a, **opts)["layer4"] for a in imgs]
     results: list[list] = [[] for _ in range(100)]
-    errors: list[BaseException] = []
 
     def stream(i: int) -> None:
-        try:
-            with s.client(timeout=120) as c:
-                results[i] = list(c.extract_many(imgs, **opts))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        with s.client(timeout=120) as c:
+            results[i] = list(c.extract_many(imgs, **opts))
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(100)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors[:3]
+    in_threads(stream, range(100), timeout=180)
     flat = [r for rs in results for r in rs]
     assert len(flat) == 300
     ok = [r for r in flat if r.ok]
@@ -324,12 +301,12 @@ def test_100_concurrent_streams_against_a_small_queue(make_server):
 
 
 def test_max_streams_limits_concurrent_calls(make_server):
-    s = make_server(*R18, "--max-streams", "2")
+    s = make_server(*R18, *METRICS, "--max-streams", "2")
     held = [HeldStream(s.address) for _ in range(2)]
     try:
         for h in held:
             h.send(spec_req())
-        wait_until(lambda: s.server.servicer.open_streams == 2, what="two open calls")
+        wait_until(lambda: s.server.stream_caps.work_streams == 2, what="two open calls")
         with s.client(timeout=10, retries=0) as c:
             with pytest.raises(hookserve.errors.ResourceExhausted) as e:
                 c.extract(rand_image(32, 32), "layer4", reduction="avg")
@@ -344,7 +321,7 @@ def test_max_streams_limits_concurrent_calls(make_server):
     finally:
         for h in held:
             h.close()
-    wait_until(lambda: s.server.servicer.open_streams == 0, what="the held calls to end")
+    wait_until(lambda: s.server.stream_caps.work_streams == 0, what="the held calls to end")
     with s.client(timeout=30) as c:
         assert c.extract(rand_image(32, 32), "layer4", reduction="avg")["layer4"].shape == (512,)
 
@@ -352,54 +329,11 @@ def test_max_streams_limits_concurrent_calls(make_server):
 # -- SIGTERM during a rolling restart ------------------------------------------------------
 
 
-class ServeProcess:
-    """`hookserve serve` as a real process; its stderr JSON log is pumped to a queue."""
-
-    def __init__(self, *flags: str, env: dict[str, str | None] | None = None) -> None:
-        cmd = [sys.executable, "-m", "hookserve.cli", "serve", "--device", "cpu",
-               "--host", "127.0.0.1", "--port", "0", *flags]
-        base = dict(os.environ, PYTHONUNBUFFERED="1")
-        for k, v in (env or {}).items():  # None removes a variable
-            base.pop(k, None) if v is None else base.__setitem__(k, v)
-        env = base
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: queue.SimpleQueue = queue.SimpleQueue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.port = self._wait_port(120)
-        self.address = f"127.0.0.1:{self.port}"
-
-    def _pump(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def _wait_port(self, timeout: float) -> int:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if "hookserve listening on" in line:
-                msg = json.loads(line)["msg"]
-                return int(msg.split("listening on ")[1].split(" ")[0].rsplit(":", 1)[1])
-        raise AssertionError("server did not start:\n" + "".join(self.log[-20:]))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-
-
 def test_sigterm_drains_and_the_sdk_moves_the_rest(make_server):
     grace = 6.0
-    a = ServeProcess("--model", "resnet18", "--weights", "random", "--seed", "0",
-                     "--max-batch-size", "2", "--max-batch-delay-ms", "1",
+    a = ServeProcess(*R18, "--max-batch-size", "2", "--max-batch-delay-ms", "1",
                      "--grace-seconds", str(grace))
-    b = make_server(*R18)                        # the replica that stays
+    b = make_server(*R18, *METRICS)                        # the replica that stays
     try:
         imgs = [rand_image(64, 64, i) for i in range(40)]
         with b.client(timeout=120) as cb:
@@ -472,7 +406,7 @@ def test_sigterm_ends_an_idle_open_stream_at_once_instead_of_waiting_out_the_gra
     # A client holding a stream open with nothing in flight must not hold up a rolling
     # restart: the stream ends UNAVAILABLE as soon as the drain starts.
     grace = 30.0
-    a = ServeProcess("--model", "resnet18", "--weights", "random", "--grace-seconds",
+    a = ServeProcess(*R18, "--grace-seconds",
                      str(grace))
     try:
         idle = HeldStream(a.address, timeout=120)
@@ -502,7 +436,8 @@ OOM_SCRIPT = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, sys.argv[1])
     from conftest import RunningServer
-    s = RunningServer(["--model", "vgg11", "--weights", "random", "--max-batch-size", "16",
+    from helpers import small_server
+    s = RunningServer([*small_server(models=("vgg11",)), "--max-batch-size", "16",
                        "--max-batch-delay-ms", "3000", "--preprocess-workers", "2"])
     vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
               if l.startswith("VmSize"))

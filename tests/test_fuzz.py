@@ -19,6 +19,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from conftest import RunningServer, encode, rand_image
+from helpers import small_server
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 S = grpc.StatusCode
@@ -27,7 +28,7 @@ IMAGE_CODES = {S.OK, S.INVALID_ARGUMENT, S.RESOURCE_EXHAUSTED}
 CALL_DEADLINE = 60.0
 
 # Small limits keep every random example cheap on a CPU (at most 256x256 model input).
-FLAGS = ["--model", "resnet18", "--model", "vgg11", "--weights", "random", "--seed", "0",
+FLAGS = [*small_server(models=("resnet18", "vgg11")),
          "--max-batch-delay-ms", "1", "--max-input-side", "256",
          "--max-image-pixels", "250000", "--max-response-bytes", str(8 << 20),
          "--max-message-bytes", str(1 << 20)]

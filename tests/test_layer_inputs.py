@@ -6,34 +6,14 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from test_attribute import NATIVE, attribute, ok
 
 from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from conftest import rand_image
+from helpers import NATIVE, attribute, extract_raw, ok
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-def extract_raw(server, layers: list[pb.LayerRequest], arr: np.ndarray, model: str = ""
-                ) -> dict[str, tuple[np.ndarray, list[str]]]:
-    """One image through Extract by raw stubs: layer -> (array, column names)."""
-    h, w = arr.shape[:2]
-    reqs = [pb.ExtractRequest(spec=pb.ExtractionSpec(model=model, layers=layers,
-                                                     preprocessing=NATIVE)),
-            pb.ExtractRequest(image=pb.Image(id="a", raw=pb.RawImage(
-                pixels=arr.tobytes(), height=h, width=w)))]
-    with grpc.insecure_channel(server.address) as ch:
-        msgs = list(pb_grpc.FeatureExtractorStub(ch).Extract(iter(reqs), timeout=120))
-    assert msgs[-1].status.code == 0, msgs[-1].status.message
-    chunks: dict[str, list] = {}
-    for m in msgs[:-1]:
-        chunks.setdefault(m.tensor.layer, []).append(m.tensor)
-    dt = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT16: "<f2"}
-    return {name: (np.frombuffer(b"".join(c.data for c in cs), dt[cs[0].dtype])
-                   .reshape(tuple(cs[0].shape)), list(cs[0].columns))
-            for name, cs in chunks.items()}
 
 
 @pytest.fixture(scope="module")

@@ -25,22 +25,14 @@ import yaml
 
 from hookserve.cli import build_parser
 
+from helpers import K8S_VERSIONS, env_names, kubernetes_validate, tool
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 DOCKERFILE = ROOT / "Dockerfile"
-BIN = Path(sys.executable).parent
-#: gRPC probes are GA from 1.27; the newest schema bundled with kubernetes-validate.
-K8S_VERSIONS = ("1.27.0", "1.37.0")
 #: The batch Job's backoffLimitPerIndex and podReplacementPolicy are on by default from 1.29.
 JOB_K8S_VERSIONS = ("1.29.0", "1.37.0")
 JOB_FILE = "job-batch.yaml"
-
-
-def tool(name: str) -> str:
-    path = BIN / name if (BIN / name).exists() else shutil.which(name)
-    if not path:
-        pytest.skip(f"{name} is not installed (pip install -e '.[dev]')")
-    return str(path)
 
 
 def docs(path: Path) -> list[dict]:
@@ -53,16 +45,6 @@ def by_kind() -> dict[str, dict]:
         for d in docs(f):
             out[d["kind"]] = d
     return out
-
-
-def serve_flags() -> set[str]:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    return {s for a in serve._actions for s in a.option_strings}
-
-
-def env_names() -> set[str]:
-    return {"HOOKSERVE_" + f[2:].upper().replace("-", "_") for f in serve_flags()
-            if f.startswith("--") and not f.startswith("--no-") and f != "--help"}
 
 
 # ---------------------------------------------------------------- Dockerfile
@@ -111,23 +93,16 @@ def test_dockerignore_keeps_the_context_small():
 
 
 # ---------------------------------------------------------------- Kubernetes
-def _validate(files: list[str], version: str) -> None:
-    p = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", version, *files],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.count("passed") == len(files), p.stdout
-
-
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_manifests_validate_against_schema(version):
     files = sorted(str(f) for f in K8S.glob("*.yaml") if f.name != JOB_FILE)
     assert len(files) >= 3
-    _validate(files, version)
+    kubernetes_validate(files, version)
 
 
 @pytest.mark.parametrize("version", JOB_K8S_VERSIONS)
 def test_batch_job_validates_against_schema(version):
-    _validate([str(K8S / JOB_FILE)], version)
+    kubernetes_validate([str(K8S / JOB_FILE)], version)
 
 
 def test_batch_job_fails_a_shard_not_the_job():
@@ -201,16 +176,13 @@ def test_indexed_job_shards_the_data_set():
     server = next(a for a in argv if a.startswith("--server")).split("=", 1)[1]
     assert server.startswith(f"dns:///{svc['metadata']['name']}.")
     assert server.endswith(":50051")
-    # the arguments are real `hookserve batch` flags (once `hookserve batch` exists)
+    # the arguments are real `hookserve batch` flags
     parser = build_parser()
-    commands = parser._subparsers._group_actions[0].choices
-    if "batch" not in commands:
-        pytest.skip("hookserve batch is not in this checkout")
     concrete = [a.replace("$(JOB_COMPLETION_INDEX)", "3") for a in argv[1:]]
     ns = parser.parse_args(concrete)
     assert ns.command == "batch"
     # a sharded run: every pod shares one --out (parts and markers, no lock)
-    from hookserve.batch.shardrun import wants_shards
+    from hookserve.batch.command import wants_shards
     assert wants_shards(ns)
     assert "JOB_COMPLETION_INDEX" not in ns.out
 

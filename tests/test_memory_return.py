@@ -1,4 +1,4 @@
-"""Issue 12, defect 6: memory comes back after clients disconnect mid big answers.
+"""Memory comes back after clients disconnect mid big answers.
 
 Clients open streams of big answers (resnet18 conv1 at 512x512: 16.8 MB each, under
 glibc's mmap threshold, so they live on the heap), read a little and go away. Once the
@@ -16,18 +16,11 @@ import pytest
 
 from hookserve.v1 import hookserve_pb2 as pb
 
-R18 = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-       "--max-batch-delay-ms", "2", "--max-batch-size", "4"]
+from helpers import rss, small_server
+
+FAST = small_server("--max-batch-delay-ms", "2", "--max-batch-size", "4")
 MiB = 1 << 20
 SIDE = 512
-
-
-def rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def _requests(n: int):
@@ -55,7 +48,7 @@ def storm(address: str, clients: int = 15, images: int = 4) -> None:
 
 def wait_idle(s) -> None:
     """Until no Extract call runs, no image is admitted, and freed memory was returned."""
-    assert s.server.servicer.wait_idle(60)
+    assert s.server.stream_caps.wait_idle(60)
     assert s.engine.admission.wait_empty(60)
     # With the garbage collector off (fixture no_gc), a session caught in a reference
     # cycle would never go: this would time out.
@@ -83,7 +76,7 @@ def no_gc():
 
 
 def test_sessions_and_memory_come_back_after_disconnects(make_server, no_gc):
-    s = make_server(*R18)
+    s = make_server(*FAST)
     storm(s.address)  # warm: threads, malloc arenas, grpc buffers at their working size
     wait_idle(s)
     base = rss()
@@ -98,7 +91,7 @@ def test_sessions_and_memory_come_back_after_disconnects(make_server, no_gc):
 
 @pytest.mark.slow
 def test_memory_return_soak(make_server, no_gc):
-    s = make_server(*R18)
+    s = make_server(*FAST)
     storm(s.address)
     wait_idle(s)
     base = rss()

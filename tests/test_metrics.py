@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+import socket
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import hookserve
+from hookserve.cli import build_parser
+from hookserve_server.app import start_metrics
 
 from conftest import RunningServer, encode, rand_image
+from helpers import R18, wait_until
 
-FLAGS = ("--model", "resnet18", "--weights", "random", "--seed", "0",
-         "--max-batch-delay-ms", "20", "--metrics-port", "0")
+FLAGS = (*R18, "--max-batch-delay-ms", "20", "--metrics-port", "0")
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -33,15 +35,6 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     out[("__families__", ())] = {f.name for f in text_string_to_metric_families(text)}
     return out
-
-
-def wait_for(cond, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.05)  # polling a condition, not ordering events
-    return True
 
 
 def call_lines(caplog) -> list[str]:
@@ -123,7 +116,7 @@ def test_one_structured_log_line_per_call_without_image_data(metrics_server, cap
             list(c.extract_many([payload, payload], "layer3", native=True))
         # The line is written when the server-side call finishes, just after the client
         # has its last answer: wait for it (a real condition, bounded).
-        assert wait_for(lambda: len(call_lines(caplog)) >= 2, timeout=10)
+        wait_until(lambda: len(call_lines(caplog)) >= 2, 10, "two call log lines")
     lines = call_lines(caplog)
     assert len(lines) == 2
     first, second = (json.loads(x) for x in lines)
@@ -182,7 +175,7 @@ def test_attribute_calls_name_the_rpc_and_the_attribution_method(metrics_server,
         c.attribute(img, layer="layer4", method="grad_cam")
         c.attribute(img, layer="layer4", method="layer_cam")
         c.attribute(img, layer=None, method="gradient")
-        assert wait_for(lambda: len(attribute_lines()) >= 3, timeout=10)
+        wait_until(lambda: len(attribute_lines()) >= 3, 10, "three Attribute log lines")
     after = scrape(port)
     lines = attribute_lines()
     assert [(x["method"], x["attribution_method"], x["code"]) for x in lines] == [
@@ -196,3 +189,19 @@ def test_attribute_calls_name_the_rpc_and_the_attribution_method(metrics_server,
     assert not any(dict(labels).get("attribution_method")
                    for (name, labels) in after if name == "hookserve_requests_total"
                    and dict(labels).get("method") != "Attribute")
+
+
+def test_metrics_bind_loopback_unless_told(monkeypatch):
+    pytest.importorskip("prometheus_client")
+    from hookserve_server.metrics import PrometheusTelemetry
+
+    args = build_parser().parse_args(["serve", "--metrics-port", "0"])
+    assert args.metrics_host == "127.0.0.1"
+    addr, port = start_metrics(PrometheusTelemetry(), args)
+    assert addr == "127.0.0.1"
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    monkeypatch.setenv("HOOKSERVE_METRICS_HOST", "[::]")
+    args = build_parser().parse_args(["serve", "--metrics-port", "0"])
+    addr, _ = start_metrics(PrometheusTelemetry(), args)
+    assert addr == "0.0.0.0"  # the wildcard, IPv4 (works where IPv6 is off)

@@ -4,9 +4,10 @@ unless the operator chose a wait policy; the start-up log says which is in force
 from __future__ import annotations
 
 import pytest
-from test_faults import ServeProcess
 
 from hookserve_server.openmp import SPIN_COUNT, set_wait_default
+
+from helpers import R18, ServeProcess
 
 
 def test_default_is_set_only_when_nothing_was_chosen():
@@ -29,7 +30,7 @@ def test_default_is_set_only_when_nothing_was_chosen():
      "from the environment: OMP_WAIT_POLICY=PASSIVE"),
 ])
 def test_serve_logs_the_policy_in_force(env, expect):
-    p = ServeProcess("--model", "resnet18", "--weights", "random", env=env)
+    p = ServeProcess(*R18, env=env)
     try:
         lines = [ln for ln in p.log if "OpenMP" in ln]
         assert len(lines) == 1 and expect in lines[0], p.log[-5:]
@@ -42,7 +43,7 @@ def test_preprocessing_threads_run_torch_on_one_thread(make_server):
     thread resizing with torch) throttles every team's spin (openmp.one_thread_here)."""
     import torch
 
-    s = make_server("--model", "resnet18", "--weights", "random", "--threads", "2",
+    s = make_server(*R18, "--threads", "2",
                     "--preprocess-workers", "2")
     pool = s.engine._preparer._pool
     counts = {pool.submit(torch.get_num_threads).result() for _ in range(8)}

@@ -1,4 +1,5 @@
-"""Decoding: formats, EXIF orientation, mode conversions, all over the wire."""
+"""Decoding: formats, EXIF orientation, mode conversions, all over the wire; the features
+equal torchvision's tensor recipe bit for bit."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from torchvision.io import decode_image
+from torchvision.models import ResNet18_Weights
+from torchvision.models.feature_extraction import create_feature_extractor
 
 from hookserve_server.errors import InvalidArgument
+from hookserve_server.models import build_model
 from hookserve_server.preprocess import decode
 from hookserve_server.spec import ImageInput
 
@@ -90,3 +96,23 @@ def test_formats_give_same_features_over_the_wire(client, img):
     for data in (encode(img), encode(img, "BMP"), encode(img, "WEBP", lossless=True)):
         got = client.extract(data, ["layer1"], native=True)["layer1"]
         np.testing.assert_array_equal(got, ref)
+
+
+def test_features_equal_torchvision_tensor_recipe_bit_for_bit(client):
+    """decode_image, then weights.transforms() on the uint8 tensor: equal bit for bit."""
+    data = encode(rand_image(150, 210, seed=7))
+    layers = ["conv1", "layer2"]
+    got = client.extract(data, layers)
+    model, _ = build_model("resnet18", "random", 0)
+    fe = create_feature_extractor(model.eval(), layers)
+    x = ResNet18_Weights.IMAGENET1K_V1.transforms()(
+        decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8)))
+    with torch.inference_mode():
+        want = {k: v[0].numpy() for k, v in fe(x[None]).items()}
+    for name in layers:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # The PIL path (transforms on a PIL image) is a different recipe: close, not equal.
+    xp = ResNet18_Weights.IMAGENET1K_V1.transforms()(Image.open(io.BytesIO(data)))
+    with torch.inference_mode():
+        pil = fe(xp[None])["conv1"][0].numpy()
+    assert 0 < np.abs(pil - want["conv1"]).max() < 0.5

@@ -16,6 +16,7 @@ import pytest
 from hookserve.ray import HookserveMapper
 
 from conftest import encode, rand_image
+from helpers import R18
 
 LAYERS = ["layer4", "fc"]
 
@@ -50,6 +51,27 @@ def test_mapper_adds_layer_and_status_columns(server, client):
         # the server batches images differently on each call: allow float rounding
         np.testing.assert_allclose(np.delete(col, 3, axis=0), ref[name], rtol=1e-4, atol=1e-4)
         assert np.isnan(col[3]).all()
+
+
+def test_column_shapes_follow_the_reduction_table(server, client):
+    """A module's input and a per-layer reduction: each column's shape is the one the
+    reduction gives (stats: [C, 5]), fixed even under --native when the reduction
+    does not follow the image's size; a reduction that does gives one array per row."""
+    from hookserve import Layer
+
+    images = [encode(rand_image(64, 80, seed=1)), encode(rand_image(72, 56, seed=2))]
+    layers = [Layer("layer2:input", "stats"), Layer("layer4", "avg")]
+    out = HookserveMapper(server.address, layers, native=True)({"image": images})
+    assert list(out["ok"]) == [True, True]
+    assert out["layer2:input"].shape == (2, 64, 5)   # layer1's 64 channels, 5 columns
+    assert out["layer4"].shape == (2, 512)
+    ref = list(client.extract_many(images, layers, native=True))
+    for i, r in enumerate(ref):
+        for name, arr in r.raise_for_error().items():
+            np.testing.assert_allclose(out[name][i], arr, rtol=1e-4, atol=1e-4)
+    varies = HookserveMapper(server.address, [Layer("layer4", "flatten")], native=True)
+    col = varies({"image": [images[0], encode(rand_image(160, 128, seed=3))]})["layer4"]
+    assert col.dtype == object and col[0].shape != col[1].shape
 
 
 def test_mapper_reads_paths_and_pandas(server, tmp_path):
@@ -93,8 +115,7 @@ def test_every_bad_cell_is_a_row_not_an_exception(make_server, tmp_path):
     """Cells that are not image bytes (an integer would become a gigabyte of zeros as
     bytes), empty cells, a cell over what the server accepts, paths that are not
     text, and a call that fails with something other than a HookserveError."""
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-message-bytes", "100000")
+    s = make_server(*R18, "--max-message-bytes", "100000")
     m = HookserveMapper(s.address, ["fc"], reduction="avg")
     good = _images(1)[0]
     cells = [good, 10**9, "text", None, {"path": "x.png"}, [1, 2], np.int64(7),

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import hookserve
 
 from conftest import encode, rand_image
+from helpers import R18
 
-FLAGS = ("--model", "resnet18", "--weights", "random", "--seed", "0",
-         "--max-batch-delay-ms", "2", "--metrics-port", "0")
+FLAGS = (*R18, "--max-batch-delay-ms", "2", "--metrics-port", "0")
 LAYER = "layer3"  # 64x64 native input -> 256x4x4 floats: cheap to compute and compare
 
 

@@ -19,28 +19,11 @@ import torchvision
 import hookserve
 from hookserve_server.errors import ConfigError
 
-from certs import CA
-from conftest import RunningServer, rand_image
+from conftest import TOKEN, RunningServer, rand_image
+from helpers import small_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BASE = ["--model", "resnet18", "--weights", "random", "--seed", "0",
-        "--max-batch-delay-ms", "2"]
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    server_ca, client_ca, rogue_ca = CA("server", d), CA("clients", d), CA("rogue", d)
-    return {
-        "dir": d,
-        "server_ca": server_ca,
-        "client_ca": client_ca,
-        "rogue_ca": rogue_ca,
-        "server": server_ca.issue("hookserve-server", server=True),
-        "client": client_ca.issue("trainer-1", server=False),
-        "rogue_client": rogue_ca.issue("intruder", server=False),
-        "rogue_server": rogue_ca.issue("fake-server", server=True),
-    }
+BASE = small_server("--max-batch-delay-ms", "2")
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +39,6 @@ def mtls_server(pki):
     s = RunningServer(BASE + ["--tls-cert", str(pki["server"].cert_path),
                               "--tls-key", str(pki["server"].key_path),
                               "--tls-client-ca", str(pki["client_ca"].path)])
-    yield s
-    s.stop(2.0)
-
-
-TOKEN = "s3cret-token-4f1c9a"
-
-
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory):
-    f = tmp_path_factory.mktemp("auth") / "token"
-    f.write_text(TOKEN + "\n")       # a trailing newline, as editors write it, is ignored
-    s = RunningServer(BASE + ["--auth-token-file", str(f)])
     yield s
     s.stop(2.0)
 
@@ -297,3 +268,19 @@ def test_client_sent_names_never_become_paths(server, client, tmp_path):
     r = next(client.extract_many([rand_image(32, 32)], "conv1", reduction="avg",
                                  ids=["/etc/passwd"]))
     assert r.ok and r.id == "/etc/passwd"
+
+
+def test_two_authorization_headers_are_unauthenticated(make_server, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("tok-123\n")
+    s = make_server(*BASE, "--auth-token-file", str(token))
+    with grpc.insecure_channel(s.address) as ch:
+        list_models = ch.unary_unary("/hookserve.v1.FeatureExtractor/ListModels")
+        good = ("authorization", "Bearer tok-123")
+        assert list_models(b"", metadata=[good], timeout=10) is not None
+        for pair in ([good, ("authorization", "Bearer wrong")],
+                     [("authorization", "Bearer wrong"), good], [good, good]):
+            with pytest.raises(grpc.RpcError) as err:
+                list_models(b"", metadata=pair, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "2 authorization headers" in err.value.details()

@@ -17,10 +17,11 @@ import subprocess
 import sys
 
 import pytest
-from test_faults import ServeProcess
 
 from hookserve.cli import build_parser
 from hookserve_server.logs import JsonFormatter, TextFormatter, pick_format
+
+from helpers import R18, ServeProcess
 
 SERVE = [sys.executable, "-m", "hookserve.cli", "serve"]
 
@@ -101,7 +102,7 @@ def test_exposure_warning_only_beyond_loopback_without_token_or_tls():
 
 
 def test_serve_on_every_interface_without_auth_logs_one_warning():
-    p = ServeProcess("--model", "resnet18", "--weights", "random", "--host", "0.0.0.0")
+    p = ServeProcess(*R18, "--host", "0.0.0.0")
     try:
         records = [json.loads(line) for line in p.log]
     finally:

@@ -18,8 +18,9 @@ import pytest
 from hookserve_server.engine import Session
 
 from conftest import rand_image
+from helpers import small_server
 
-FLAGS = ["--model", "resnet18", "--model", "vgg11", "--weights", "random", "--seed", "0",
+FLAGS = [*small_server(models=("resnet18", "vgg11")),
          "--max-batch-size", "8", "--max-batch-delay-ms", "1"]
 REDUCTIONS = ["none", "avg", "max", "flatten"]
 DTYPES = ["float32", "float16", "bfloat16"]

@@ -23,9 +23,10 @@ import torch
 import torchvision
 
 from certs import CA
+from helpers import small_server
 
 SERVE = [sys.executable, "-m", "hookserve.cli", "serve"]
-R18 = ["--model", "resnet18", "--weights", "random", "--device", "cpu"]
+CPU_R18 = small_server("--device", "cpu")
 SAVE_HINT = "torch.save(model.state_dict(), PATH)"
 
 
@@ -56,28 +57,28 @@ CASES: dict[str, Case] = {
     "env_bad_choice": Case([], ("HOOKSERVE_LOG_FORMAT='xml'", "choose from"),
                            env={"HOOKSERVE_LOG_FORMAT": "xml"}),
     # preflight: before torch is imported
-    "port_in_use": Case([*R18, "--port", "{port}"], ("port {port} is in use", "--port")),
-    "metrics_port_in_use": Case([*R18, "--port", "0", "--metrics-port", "{port}"],
+    "port_in_use": Case([*CPU_R18, "--port", "{port}"], ("port {port} is in use", "--port")),
+    "metrics_port_in_use": Case([*CPU_R18, "--port", "0", "--metrics-port", "{port}"],
                                 ("port {port} is in use", "--metrics-port")),
-    "port_out_of_range": Case([*R18, "--port", "70000"], ("--port 70000 is not a port",)),
-    "host_not_here": Case([*R18, "--host", "192.0.2.1"],
+    "port_out_of_range": Case([*CPU_R18, "--port", "70000"], ("--port 70000 is not a port",)),
+    "host_not_here": Case([*CPU_R18, "--host", "192.0.2.1"],
                           ("192.0.2.1 is not an address of this machine",)),
-    "host_empty": Case([*R18, "--host", " "], ("--host is empty",)),
-    "limit_not_positive": Case([*R18, "--chunk-bytes", "0"], ("--chunk-bytes must be",)),
-    "tls_cert_without_key": Case([*R18, *TLS[:2]], ("--tls-cert and --tls-key go together",)),
-    "tls_cert_unreadable": Case([*R18, "--tls-cert", "{d}/nope.pem", *TLS[2:]],
+    "host_empty": Case([*CPU_R18, "--host", " "], ("--host is empty",)),
+    "limit_not_positive": Case([*CPU_R18, "--chunk-bytes", "0"], ("--chunk-bytes must be",)),
+    "tls_cert_without_key": Case([*CPU_R18, *TLS[:2]], ("--tls-cert and --tls-key go together",)),
+    "tls_cert_unreadable": Case([*CPU_R18, "--tls-cert", "{d}/nope.pem", *TLS[2:]],
                                 ("cannot read --tls-cert {d}/nope.pem",)),
-    "tls_cert_not_pem": Case([*R18, "--tls-cert", "{d}/not.pem", *TLS[2:]],
+    "tls_cert_not_pem": Case([*CPU_R18, "--tls-cert", "{d}/not.pem", *TLS[2:]],
                              ("--tls-cert {d}/not.pem holds no PEM certificate",)),
-    "tls_key_of_another_cert": Case([*R18, *TLS[:3], "{d}/stranger.key"],
+    "tls_key_of_another_cert": Case([*CPU_R18, *TLS[:3], "{d}/stranger.key"],
                                     ("is not the key of --tls-cert",)),
-    "tls_key_not_pem": Case([*R18, *TLS[:3], "{d}/not.pem"],
+    "tls_key_not_pem": Case([*CPU_R18, *TLS[:3], "{d}/not.pem"],
                             ("is not an unencrypted PEM private key",)),
-    "tls_client_ca_not_pem": Case([*R18, *TLS, "--tls-client-ca", "{d}/not.pem"],
+    "tls_client_ca_not_pem": Case([*CPU_R18, *TLS, "--tls-client-ca", "{d}/not.pem"],
                                   ("--tls-client-ca {d}/not.pem holds no PEM certificate",)),
-    "token_file_missing": Case([*R18, "--auth-token-file", "{d}/nope"],
+    "token_file_missing": Case([*CPU_R18, "--auth-token-file", "{d}/nope"],
                                ("cannot read --auth-token-file {d}/nope",)),
-    "token_file_empty": Case([*R18, "--auth-token-file", "{d}/empty-token"], ("is empty",)),
+    "token_file_empty": Case([*CPU_R18, "--auth-token-file", "{d}/empty-token"], ("is empty",)),
     # missing extras
     "no_torch": Case([], ("needs the server extra", "pip install 'hookserve[server]'"),
                      code=NO_EXTRA.format(m="torch")),
@@ -90,8 +91,8 @@ CASES: dict[str, Case] = {
                           ("unknown --model resnet51", "resnet50")),
     "model_twice": Case(["--model", "resnet18", "--model", "resnet18"],
                         ("lists a model twice",)),
-    "bad_device": Case([*R18, "--device", "tpu:0"], ("device", "tpu:0")),
-    "cuda_without_cuda": Case([*R18, "--device", "cuda:0"], ("CUDA is not available",)),
+    "bad_device": Case([*CPU_R18, "--device", "tpu:0"], ("device", "tpu:0")),
+    "cuda_without_cuda": Case([*CPU_R18, "--device", "cuda:0"], ("CUDA is not available",)),
     "weights_not_a_file": Case(["--model", "resnet18", "--weights", "{d}/nope.pth"],
                                ("neither auto/imagenet/random nor an existing file",)),
     "weights_whole_model": Case(["--model", "resnet18", "--weights", "{d}/whole.pth"],
@@ -103,8 +104,21 @@ CASES: dict[str, Case] = {
     "imagenet_not_cached_offline": Case(
         ["--model", "resnet18", "--weights", "imagenet", "--no-download"],
         ("downloads are off", "--weights PATH")),
+    # the answer cache's Redis URL: read as redis-py reads it, and nothing of ours in it
+    "cache_url_port": Case([*CPU_R18, "--cache-url", "redis://127.0.0.1:abc/0"],
+                           ("--cache-url", "'abc'")),
+    "cache_url_db": Case([*CPU_R18, "--cache-url", "redis://127.0.0.1:6379/x"],
+                         ("--cache-url", "database", "must be a number")),
+    "cache_url_timeout": Case([*CPU_R18, "--cache-url",
+                               "redis://127.0.0.1:6379/0?socket_timeout=30"],
+                              ("remove socket_timeout", "--cache-timeout-ms")),
+    "cache_url_host": Case([*CPU_R18, "--cache-url", "redis://no-such-host.invalid:6379/0"],
+                           ("--cache-url", "cannot resolve 'no-such-host.invalid'")),
+    "cache_url_password_not_echoed": Case(
+        [*CPU_R18, "--cache-url", "redis://user:s3cret@127.0.0.1:99999/0"],
+        ("--cache-url", "127.0.0.1:99999/0", "Port out of range")),
     # after loading: the warm-up image cannot pass the limits
-    "warmup_refused": Case([*R18, "--max-input-side", "16"], ("warm-up failed",),
+    "warmup_refused": Case([*CPU_R18, "--max-input-side", "16"], ("warm-up failed",),
                            after_load=True),
 }
 
@@ -169,6 +183,7 @@ def test_startup_failure_is_one_line_and_exit_2(results, name):
     lines = stderr.splitlines()
     assert rc == 2, stderr
     assert "Traceback" not in stderr and "\x1b" not in stderr, stderr
+    assert "s3cret" not in stderr  # a password in --cache-url is never echoed
     if case.after_load:  # the start-up log, then the one error record
         records = [json.loads(line) for line in lines]  # every line is one record
         errors = [r for r in records if r["level"] == "ERROR"]

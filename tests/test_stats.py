@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_layer_inputs import extract_raw
 
 from hookserve.v1 import hookserve_pb2 as pb
 
 from conftest import rand_image
+from helpers import extract_raw, numpy_stats
 
 COLUMNS = ["mean", "std", "min", "max", "zero_fraction"]
-
-
-def numpy_stats(t: np.ndarray) -> np.ndarray:
-    flat = t.reshape(t.shape[0], -1) if t.ndim > 1 else t.reshape(1, -1)
-    return np.stack([flat.mean(1), flat.std(1), flat.min(1), flat.max(1),
-                     (flat == 0).mean(1)], axis=1)
 
 
 @pytest.mark.parametrize("model,layer", [

@@ -15,6 +15,7 @@ from hookserve_server.errors import ConfigError
 from hookserve_server.models import build_model, imagenet_cache_path, state_dict_digest
 
 from conftest import rand_image
+from helpers import R18, small_server
 
 
 def _save_seeded(path, arch="resnet18", seed=123):
@@ -46,8 +47,7 @@ def test_per_model_weights_and_dataparallel_prefix(make_server, tmp_path):
     ref = _save_seeded(path, "vgg11", seed=7)
     sd = {f"module.{k}": v for k, v in ref.state_dict().items()}  # saved from DataParallel
     torch.save(sd, path)
-    s = make_server("--model", "resnet18", "--model", "vgg11", "--weights", "random",
-                    "--weights", f"vgg11={path}")
+    s = make_server(*small_server(models=("resnet18", "vgg11")), "--weights", f"vgg11={path}")
     with s.client() as c:
         by_name = {m.name: m for m in c.list_models()}
     assert by_name["resnet18"].weights_source == "random"
@@ -98,7 +98,7 @@ SAVE_HINT = r"torch\.save\(model\.state_dict\(\), PATH\)"
     ("garbage", f"could not load .* \\(it is not a file torch.save writes\\); .*{SAVE_HINT}"),
     ("module", "holds a pickled torchvision.models.resnet.ResNet \\(a whole model, saved "
                f"with torch.save\\(model\\)\\), not a state_dict.*{SAVE_HINT}"),
-    ("checkpoint", f"holds a dict with keys 'epoch', 'model', not a state_dict.*{SAVE_HINT}"),
+    ("checkpoint", f"holds a dict with keys 'epoch', 'net', not a state_dict.*{SAVE_HINT}"),
 ])
 def test_bad_weights_file_is_a_clear_startup_error(tmp_path, content, match):
     path = tmp_path / "w.pth"
@@ -108,8 +108,8 @@ def test_bad_weights_file_is_a_clear_startup_error(tmp_path, content, match):
         path.write_bytes(b"\x00not a checkpoint")
     elif content == "module":  # a whole pickled model: refused by weights_only=True
         torch.save(torchvision.models.resnet18(), path)
-    elif content == "checkpoint":  # a training checkpoint: the state_dict is one entry
-        torch.save({"epoch": 3, "model": torchvision.models.resnet18().state_dict()}, path)
+    elif content == "checkpoint":  # a state_dict under a key no training script uses
+        torch.save({"epoch": 3, "net": torchvision.models.resnet18().state_dict()}, path)
     with pytest.raises(ConfigError, match=match) as err:
         build_model("resnet18", str(path))
     # one line, no terminal colour codes, and never torch's advice to unpickle code
@@ -125,7 +125,6 @@ def test_flags_that_would_break_the_server_are_refused_at_startup(flag, value):
     from hookserve.cli import build_parser
     from hookserve_server.app import build
 
-    args = build_parser().parse_args(["serve", "--model", "resnet18", "--weights", "random",
-                                      "--device", "cpu", flag, value])
+    args = build_parser().parse_args(["serve", *R18, "--device", "cpu", flag, value])
     with pytest.raises(ConfigError, match=flag):
         build(args)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from hooked import Hooked, free_port, server_args  # bench/peers sibling
+from bench.peers.hooked import Hooked, free_port, server_args
 
 
 def main() -> int:

@@ -2,8 +2,9 @@
 {"image": base64 JPEG} (LitServe's documented image pattern), answer: the layer's
 float32 bytes (application/octet-stream), batched by LitServe.
 
-Run with the bench's venv: ``python bench/peers/litserve_server.py --model resnet50
---layer layer4 --reduce avg --model vgg16 --layer features.0 --reduce none``.
+Run with the bench's venv, from the repository root: ``python -m
+bench.peers.litserve_server --model resnet50 --layer layer4 --reduce avg --model vgg16
+--layer features.0 --reduce none``.
 LitServe needs a fixed port (1024-65535, port 0 is refused), so this picks a free one
 by binding port 0 and closing it (bench only: a small race), prints ``PORT n`` and
 serves; the client waits for GET /health to answer "ok".
@@ -16,7 +17,8 @@ import sys
 
 import litserve as ls
 from fastapi import Response
-from hooked import Hooked, free_port, server_args  # bench/peers sibling
+
+from bench.peers.hooked import Hooked, free_port, server_args
 
 
 class HookedAPI(ls.LitAPI):

@@ -1,7 +1,7 @@
 """hookserve beside LitServe and a KServe v2 gRPC model server, in one run.
 
     make bench-peers                       # installs the peers, then runs this
-    .venv/bin/python bench/peers/run.py    # if they are installed already
+    .venv/bin/python -m bench.peers.run    # if they are installed already
 
 The same work for every server: a torchvision model with seeded random weights, a
 forward hook on one layer, early stop, a reduction (bench/peers/hooked.py; hookserve
@@ -21,7 +21,7 @@ so drift in the machine's load hits every column.
   cpu       CPU ms per image during tput-8: each server's process tree (workers it
             forked included) and the bench process (the clients)
 
-Prints a table with ratios and writes bench/results/peers-<UTC time>.json and
+Prints a table with ratios and writes bench/results/<UTC time>-peers.json and
 bench/results/peers-latest.json.
 """
 
@@ -34,11 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-PEERS = Path(__file__).resolve().parent
-sys.path.insert(0, str(PEERS.parent))
-import callers  # noqa: E402  (bench/peers sibling)
-import report  # noqa: E402
-from common import (  # noqa: E402  (bench/ helpers; sets OMP_WAIT_POLICY first)
+from bench.common import (  # sets the OpenMP wait first
     HOOKSERVE_PORT_RE,
     Proc,
     clock,
@@ -48,7 +44,10 @@ from common import (  # noqa: E402  (bench/ helpers; sets OMP_WAIT_POLICY first)
     pct,
     write_results,
 )
-from hooked import Hooked  # noqa: E402
+from bench.peers import callers, report
+from bench.peers.hooked import Hooked
+
+ROOT = Path(__file__).resolve().parents[2]
 
 WORK = {"pooled": ("resnet50", "layer4", "avg"), "big": ("vgg16", "features.0", "none")}
 #: --modes: hookserve execution modes, each its own server (docs/performance.md)
@@ -86,7 +85,7 @@ def parse_args() -> argparse.Namespace:
                          "server with the default flags, column hookserve)")
     ap.add_argument("--hookserve-arg", action="append", default=[],
                     help="extra `hookserve serve` flag (repeat), e.g. --hookserve-arg=--x")
-    ap.add_argument("--kserve-python", default=str(PEERS.parents[1] / ".venv-kserve/bin/python"),
+    ap.add_argument("--kserve-python", default=str(ROOT / ".venv-kserve/bin/python"),
                     help="python of the venv that has kserve (it pins protobuf < 7)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -119,9 +118,9 @@ def start(a: argparse.Namespace, which: set[str], say) -> tuple[dict, dict]:
     if "litserve" in which:
         say("starting LitServe")
         procs["litserve"] = p = Proc("litserve", [
-            sys.executable, str(PEERS / "litserve_server.py"), *spec, "--threads",
+            sys.executable, "-m", "bench.peers.litserve_server", *spec, "--threads",
             str(a.threads), "--max-batch-size", str(a.batch), "--batch-timeout",
-            str(a.litserve_batch_timeout)], r"PORT (\d+)")
+            str(a.litserve_batch_timeout)], r"PORT (\d+)", cwd=ROOT)
         for k, (arch, _, _) in WORK.items():
             use[k].append(callers.LitServeCaller(p.port, arch))
         use["pooled"][-1].wait_ready()
@@ -129,8 +128,8 @@ def start(a: argparse.Namespace, which: set[str], say) -> tuple[dict, dict]:
         say("starting the KServe model server")
         pb = callers.load_v2_protos(a.kserve_python)
         procs["kserve"] = p = Proc("kserve", [
-            a.kserve_python, str(PEERS / "kserve_server.py"), *spec, "--threads",
-            str(a.threads)], r"PORT (\d+)")
+            a.kserve_python, "-m", "bench.peers.kserve_server", *spec, "--threads",
+            str(a.threads)], r"PORT (\d+)", cwd=ROOT)
         for k, (arch, _, _) in WORK.items():
             use[k].append(callers.KServeCaller(p.address, arch, pb))
         use["pooled"][-1].wait_ready()

@@ -27,8 +27,8 @@ from .errors import (
     Unavailable,
 )
 from .overlay import overlay
+from .tables import STATS_COLUMNS
 from .tensors import bfloat16_to_float32
-from .types import STATS_COLUMNS
 
 __version__ = "0.1.0"
 

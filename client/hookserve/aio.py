@@ -32,7 +32,7 @@ import grpc
 import grpc.aio
 import numpy as np
 
-from . import errors
+from . import errors, wire
 from .attribution import AUTO_LAYER, Attribution
 from .base import ClientBase, deadline_of, health_request, health_status
 from .extraction import END, PULL, READ, SEND, Extraction, _Pending, advance
@@ -67,7 +67,7 @@ async def _send(call: Any, queue: asyncio.Queue) -> None:
             if raw is None:
                 await call.write(item)
             else:
-                await raw.send_serialized_message(item.SerializeToString())
+                await raw.send_serialized_message(wire.serialize(item))
         await (call.done_writing() if raw is None else raw.send_receive_close())
     except asyncio.CancelledError:
         raise

@@ -18,34 +18,25 @@ from typing import Any
 
 import numpy as np
 
-from . import errors
+from . import errors, wire
 from .endpoints import Endpoints
 from .extraction import Extraction, _Pending
+from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
 from .types import Size, build_preprocessing, parse_side, parse_size
 from .v1 import hookserve_pb2 as pb
 
-#: Method name -> wire enum. The CAM methods explain a layer; the others the input.
-METHODS = {
-    "grad_cam": pb.ATTRIBUTION_METHOD_GRAD_CAM,
-    "hires_cam": pb.ATTRIBUTION_METHOD_HIRES_CAM,
-    "layer_cam": pb.ATTRIBUTION_METHOD_LAYER_CAM,
-    "gradient": pb.ATTRIBUTION_METHOD_GRADIENT,
-    "gradient_x_input": pb.ATTRIBUTION_METHOD_GRADIENT_X_INPUT,
-    "integrated_gradients": pb.ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS,
-    "smooth_grad": pb.ATTRIBUTION_METHOD_SMOOTH_GRAD,
-}
-CAM_METHODS = ("grad_cam", "hires_cam", "layer_cam")
-SCORES = {"logit": pb.ATTRIBUTION_SCORE_LOGIT, "softmax": pb.ATTRIBUTION_SCORE_SOFTMAX}
-BASELINES = {"zeros": pb.ATTRIBUTION_BASELINE_ZEROS, "black": pb.ATTRIBUTION_BASELINE_BLACK}
-#: The layer a CAM method explains when none is given (ResNet's last block).
-DEFAULT_LAYER = "layer4"
+#: The layer a CAM method explains when none is given: sent empty, the server picks the
+#: model's default (`ModelInfo.default_cam_layer`: resnet "layer4", vgg its last
+#: convolution, vit the last block's "ln_1").
+DEFAULT_LAYER = ""
 
 
 class _DefaultLayer(str):
-    """The `layer` default: DEFAULT_LAYER for the CAM methods, none for the others."""
+    """The `layer` default: the model's default CAM layer for the CAM methods, none for
+    the others."""
 
     def __repr__(self) -> str:
-        return f"{DEFAULT_LAYER!r} for CAM methods, None otherwise"
+        return "the model's default_cam_layer for CAM methods, None otherwise"
 
 
 AUTO_LAYER = _DefaultLayer(DEFAULT_LAYER)
@@ -55,11 +46,17 @@ Geometry = tuple[int, "tuple[int, int] | None"]
 
 @dataclass(frozen=True)
 class ClassScore:
-    """One class's score for one image."""
+    """One class's score for one image. Unpacks as ``(index, label, prob)``:
+    ``for index, label, prob in a.top5``."""
 
     index: int
     logit: float
     prob: float
+    #: The class's name ("" when the model's classes have none: ``--labels``).
+    label: str = ""
+
+    def __iter__(self):
+        return iter((self.index, self.label, self.prob))
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,8 @@ class Attribution:
     map: np.ndarray | None = None
     #: One entry per map (one, or top_k in the order of the map's leading dimension).
     targets: list[MapTarget] = field(default_factory=list)
-    #: The five most probable classes, highest first.
+    #: The five most probable classes, highest first; each unpacks as
+    #: ``(index, label, prob)``.
     top5: list[ClassScore] = field(default_factory=list)
     #: The preprocessing geometry the map refers to, for :func:`hookserve.overlay`:
     #: (resize of the shorter side or 0, centre crop HxW or None); None if unknown.
@@ -124,6 +122,11 @@ class Attribution:
         return self._first().target.index
 
     @property
+    def label(self) -> str:
+        """The name of that class ("" when the model's classes have none)."""
+        return self._first().target.label
+
+    @property
     def logit(self) -> float:
         return self._first().target.logit
 
@@ -148,7 +151,7 @@ class Attribution:
 
 
 def _score(c: pb.ClassScore) -> ClassScore:
-    return ClassScore(int(c.class_index), float(c.logit), float(c.probability))
+    return ClassScore(int(c.class_index), float(c.logit), float(c.probability), c.label)
 
 
 def resolve_layer(layer: str | None, method: str) -> str | None:
@@ -212,28 +215,24 @@ class AttributionRun(Extraction):
         #: True when `geometry` needs the model's default preprocessing (ListModels)
         self.default_geometry = False
 
-    def admit(self, obj: Any) -> _Pending:
-        p = super().admit(obj)
-        if self.targets is not None:
-            missing = object()
-            t = next(self.targets, missing)
-            if t is missing:
-                raise ValueError(
-                    f"targets has fewer items than images (ran out at image {p.index})")
-            if t is not None and (isinstance(t, bool) or int(t) != t):
-                raise ValueError(f"target of image {p.index} must be a class index or None, "
-                                 f"got {t!r}")
-            p.extra = None if t is None else int(t)
-        return p
+    def _extra(self, index: int) -> int | None:
+        """Image `index`'s target: a class index, or None."""
+        if self.targets is None:
+            return None
+        missing = object()
+        t = next(self.targets, missing)
+        if t is missing:
+            raise ValueError(f"targets has fewer items than images (ran out at image {index})")
+        if t is not None and (isinstance(t, bool) or int(t) != t):
+            raise ValueError(f"target of image {index} must be a class index or None, "
+                             f"got {t!r}")
+        return None if t is None else int(t)
+
+    def _encode(self, obj: Any, wire_id: str, extra: int | None) -> bytes:
+        return wire.attribute_request(obj, wire_id, extra)
 
     def _spec_request(self) -> Any:
         return pb.AttributeRequest(spec=self.spec)
-
-    def _image_request(self, p: _Pending) -> Any:
-        image = pb.AttributeImage(image=p.image)
-        if p.extra is not None:
-            image.target_class = p.extra
-        return pb.AttributeRequest(image=image)
 
     def _reset(self) -> None:
         super()._reset()

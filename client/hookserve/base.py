@@ -27,27 +27,20 @@ from .attribution import (
 )
 from .endpoints import Endpoints
 from .extraction import Extraction, ImageCall
+from .retry import FIRST_BACKOFF, RETRIES
 from .types import ModelInfo, Size, build_spec
 from .v1 import hookserve_pb2 as pb
+from .wire import varint
 
 _HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def health_request(service: str) -> bytes:
     """grpc.health.v1.HealthCheckRequest, encoded by hand (the SDK needs no extra
     package for two tiny messages)."""
     svc = service.encode()
-    return (b"\x0a" + _varint(len(svc)) + svc) if svc else b""
+    return (b"\x0a" + varint(len(svc)) + svc) if svc else b""
 
 
 def health_status(raw: bytes) -> str:
@@ -90,7 +83,8 @@ class ClientBase:
                  root_certificates: bytes | str | os.PathLike | None = None,
                  certificate_chain: bytes | str | os.PathLike | None = None,
                  private_key: bytes | str | os.PathLike | None = None,
-                 max_in_flight: int = 32, retries: int = 3, retry_backoff: float = 0.1,
+                 max_in_flight: int = 32, retries: int = RETRIES,
+                 retry_backoff: float = FIRST_BACKOFF,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
         token = token if token is not None else os.environ.get("HOOKSERVE_TOKEN")
         self._endpoints = Endpoints(
@@ -136,8 +130,9 @@ class ClientBase:
         without them `Result.id` is the path (or the position) and the wire carries the
         position only, so the same path may appear twice.
 
-        Layers take `reduction` (none|avg|max|flatten|stats; stats is ``[C, 5]`` per
-        channel: mean, std, min, max, zero fraction, see ``Result.columns``), `dtype`
+        Layers take `reduction` (none|avg|max|flatten|stats|cls; stats is ``[C, 5]`` per
+        channel: mean, std, min, max, zero fraction, see ``Result.columns``; cls is a
+        ViT block's class token), `dtype`
         (float32|float16|bfloat16) and `l2_normalize` unless set per layer.
         Preprocessing is the model's default unless `native=True` or `resize`/`crop`
         (the shorter side, and a centre crop given as the CLI takes it: ``"288x288"``,

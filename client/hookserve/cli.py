@@ -10,13 +10,13 @@ from .cli_args import (
     STREAM_TIMEOUT,
     add_connection_args,
     add_preprocessing_args,
+    classes_text,
     make_client,
     size_arg,
     unique_names,
     weights_text,
 )
-from .tensors import DTYPE_NAMES
-from .types import REDUCTIONS
+from .tables import DTYPES, REDUCTIONS
 
 #: Exit status after stdout was closed early (`hookserve describe | head`): 128 +
 #: SIGPIPE, what a shell reports for a program that the closed pipe ended.
@@ -29,23 +29,39 @@ def _describe(args) -> int:
     m = d.model
     print(f"model {m.name} ({m.architecture}) on {m.device}, {m.dtype}; weights: "
           f"{weights_text(m)}")
-    print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}")
+    print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}, "
+          f"mean {_floats(m.mean)}, std {_floats(m.std)}")
+    if m.num_classes:
+        print(classes_text(m))
+    if m.default_cam_layer:
+        print(f"default CAM layer: {m.default_cam_layer}")
     print(f"input {d.input_size[0]}x{d.input_size[1]}: {len(d.layers)} layers\n")
     w = max(len(li.name) for li in d.layers)
     t = max(len(li.type) for li in d.layers)
-    print(f"{'layer':<{w}}  {'type':<{t}}  {'output shape':<18} {'MB/image':>9}")
+    print(f"{'layer':<{w}}  {'type':<{t}}  {'output shape':<18} {'MB/image':>9}  layout")
     for li in d.layers:
         shape = "x".join(map(str, li.shape))
-        print(f"{li.name:<{w}}  {li.type:<{t}}  {shape:<18} {li.bytes_per_image / 1e6:>9.3f}")
+        print(f"{li.name:<{w}}  {li.type:<{t}}  {shape:<18} {li.bytes_per_image / 1e6:>9.3f}  "
+              f"{li.layout}")
     return 0
 
 
+def _floats(values) -> str:
+    return "(" + ", ".join(f"{v:.4g}" for v in values) + ")"
+
+
 def _models(args) -> int:
+    if args.available:
+        from hookserve_server.command import ARCHITECTURES  # torch-free
+
+        print("\n".join(ARCHITECTURES))
+        return 0
     with make_client(args) as c:
         for i, m in enumerate(c.list_models()):
             flag = " (default)" if i == 0 else ""
-            print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, weights "
-                  f"{weights_text(m)}")
+            classes = f"{classes_text(m)}, " if m.num_classes else ""
+            print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, {classes}"
+                  f"weights {weights_text(m)}")
     return 0
 
 
@@ -124,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the models a server holds (the first is its "
                                    "default): architecture, device, dtype, and the weights "
                                    "in use with their digest. Random weights are marked "
-                                   "RANDOM: not for real use.")
+                                   "RANDOM: not for real use. --available lists the "
+                                   "architectures `hookserve serve --model` takes instead.")
+    s.add_argument("--available", action="store_true",
+                   help="list the architectures a server can serve (no server is called)")
     add_connection_args(s)
     s.set_defaults(func=_models)
 
@@ -140,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per layer: none (the whole tensor), avg or max (pooled over "
                         "space: one value per channel), flatten, stats (per channel: "
                         "mean, std, min, max, zero fraction) (default: %(default)s)")
-    s.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES),
+    s.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the arrays' type; bfloat16 arrives as uint16 bit patterns "
                         "(default: %(default)s)")
     s.add_argument("--l2-normalize", action="store_true",

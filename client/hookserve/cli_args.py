@@ -109,6 +109,19 @@ def weights_text(m: Any) -> str:
             + ("" if m.pretrained else "  [RANDOM: not for real use]"))
 
 
+def classes_text(m: Any) -> str:
+    """A model's classes as the CLI prints them: the count, and the first names."""
+    if not m.labels:
+        return f"{m.num_classes} classes"
+    shown = ", ".join(m.labels[:3]) + (", ..." if len(m.labels) > 3 else "")
+    return f"{m.num_classes} classes ({shown})"
+
+
+def label_text(label: str) -> str:
+    """A class's name after its index, as the CLI prints it ("" when unnamed)."""
+    return f" {label!r}" if label else ""
+
+
 def relative_stems(paths: Sequence[str]) -> list[list[str]]:
     """Output name candidates per input path, best first: the path relative to the
     inputs' common folder without its suffix (``a/cat.png`` and ``b/cat.png`` give

@@ -21,16 +21,18 @@ import os
 import sys
 from pathlib import Path
 
-from .attribution import AUTO_LAYER, BASELINES, DEFAULT_LAYER, METHODS, SCORES
+from .attribution import AUTO_LAYER
 from .cli_args import (
     STREAM_TIMEOUT,
     add_connection_args,
     add_preprocessing_args,
+    label_text,
     make_client,
     relative_stems,
     unique_names,
 )
 from .overlay import SIGNS
+from .tables import BASELINES, METHODS, SCORES
 
 
 def add_attribute_parser(sub) -> None:
@@ -50,8 +52,10 @@ def add_attribute_parser(sub) -> None:
     s.add_argument("--method", default="grad_cam", choices=list(METHODS),
                    help="CAM methods explain --layer; the others the input pixels "
                         "(default: %(default)s)")
-    s.add_argument("--layer", help=f"the layer a CAM method explains (default: "
-                                   f"{DEFAULT_LAYER}); NAME:input for a module's input; "
+    s.add_argument("--layer", help="the layer a CAM method explains (default: the model's "
+                                   "default CAM layer, which `hookserve describe` shows: "
+                                   "resnet layer4, vgg its last convolution, vit the last "
+                                   "block's ln_1); NAME:input for a module's input; "
                                    "omit it for the input-space methods")
     s.add_argument("--model", help="model name (default: the server's default)")
     s.add_argument("--target", type=int,
@@ -146,7 +150,8 @@ def _attribute(args) -> int:
                 overlay(args.images[r.index], r, args.alpha, index=k or 0, clip=args.clip,
                         sign=args.sign).save(png)
                 pngs.append(png)
-            classes = ",".join(f"{t.target.index} (p={t.target.prob:.3f}"
+            classes = ",".join(f"{t.target.index}{label_text(t.target.label)} "
+                               f"(p={t.target.prob:.3f}"
                                + ("" if t.delta is None else f", delta={t.delta:.4g}") + ")"
                                for t in r.targets)
             print(f"{r.id}  class {classes}  map {'x'.join(map(str, r.map.shape))}  "

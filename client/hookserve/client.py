@@ -23,8 +23,8 @@ import numpy as np
 from . import errors
 from .attribution import AUTO_LAYER, Attribution
 from .base import ClientBase, deadline_of, health_request, health_status
-from .endpoints import RETRYABLE
 from .extraction import Extraction
+from .retry import RETRYABLE
 from .types import (
     Layer,
     LayerInfo,
@@ -115,9 +115,11 @@ class Client(ClientBase):
                   ) -> Attribution:
         """One image's saliency map. Raises the typed error on failure.
 
-        `layer` defaults to "layer4" for the CAM methods (grad_cam, hires_cam,
-        layer_cam) and to None for the input-space methods (gradient,
-        gradient_x_input, integrated_gradients, smooth_grad), which take none.
+        `layer` defaults to the model's default CAM layer (`ModelInfo.default_cam_layer`:
+        resnet "layer4", vgg its last convolution, vit the last block's "ln_1") for the
+        CAM methods (grad_cam, hires_cam, layer_cam) and to None for the input-space
+        methods (gradient, gradient_x_input, integrated_gradients, smooth_grad), which
+        take none.
         `target` is the class to explain (default: the predicted one). `options` are
         those of :meth:`attribute_many`. The client's `timeout` bounds the call.
         """

@@ -2,7 +2,8 @@
 
 Every call goes through :meth:`Endpoints.call` (unary) or :meth:`Endpoints.stream`
 (a generator of results), which pick the next address that is up, and on UNAVAILABLE
-mark it down for a while and try the next one, up to `retries` times. Any other
+mark it down for a while and try the next one, up to `retries` times (the codes and
+the backoff are :mod:`.retry`'s, which `hookserve batch` shares). Any other
 failure, or the last UNAVAILABLE, becomes the SDK's typed error.
 
 The asyncio client (:mod:`.aio`) uses the same object with ``aio=True`` (grpc.aio
@@ -25,12 +26,12 @@ import grpc.aio
 import grpc.experimental
 
 from . import errors
+from .retry import FIRST_BACKOFF, RETRIES, RETRYABLE, RetryPolicy
 from .v1 import hookserve_pb2_grpc as pb_grpc
+from .wire import Stub
 
 T = TypeVar("T")
 
-#: Codes on which the SDK moves a call (or a stream's unanswered images) elsewhere.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 #: Client channel limits: chunks are at most 4 MiB; leave headroom.
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -82,11 +83,12 @@ class Endpoints:
                  root_certificates: bytes | str | os.PathLike | None = None,
                  certificate_chain: bytes | str | os.PathLike | None = None,
                  private_key: bytes | str | os.PathLike | None = None,
-                 retries: int = 3, retry_backoff: float = 0.1,
+                 retries: int = RETRIES, retry_backoff: float = FIRST_BACKOFF,
                  options: Sequence[tuple[str, Any]] = (), aio: bool = False) -> None:
         self.addresses, self.secure = parse_targets(target)
-        self.retries = max(0, int(retries))
-        self.retry_backoff = retry_backoff
+        #: the failover's tries and waits (:mod:`.retry`, shared with `hookserve batch`)
+        self.policy = RetryPolicy(max(0, int(retries)), retry_backoff)
+        self.retries = self.policy.retries
         self.aio = aio
         #: Sent with every call: ``authorization: Bearer ...`` when a token is set.
         self.metadata = (("authorization", f"Bearer {token.strip()}"),) if token else ()
@@ -121,7 +123,7 @@ class Endpoints:
                         o.append(("grpc.lb_policy_name", "round_robin"))
                     channels.append(lib.secure_channel(addr, self._creds, options=o)
                                     if self._creds else lib.insecure_channel(addr, options=o))
-                self._stubs = [pb_grpc.FeatureExtractorStub(c) for c in channels]
+                self._stubs = [Stub(c) for c in channels]
                 self._channels = channels
             return self._channels
 
@@ -153,17 +155,14 @@ class Endpoints:
                     return i
             return min(range(n), key=self._down_until.__getitem__)  # all down: soonest back
 
-    def _delay(self, attempt: int) -> float:
-        return min(5.0, self.retry_backoff * (2 ** attempt)) * (0.5 + random.random() / 2)
-
     def failed(self, exc: grpc.RpcError, index: int, attempt: int) -> float:
         """After a failed call on address `index`: raise the typed error, or return the
         seconds to wait before retrying elsewhere. On UNAVAILABLE the address is skipped
         for a while (at least 1 s); the wait is the backoff only when no other is up."""
         if exc.code() not in RETRYABLE:
             raise errors.from_rpc_error(exc) from None
-        retry = attempt < self.retries
-        delay = self._delay(attempt)
+        retry = self.policy.again(attempt)
+        delay = self.policy.backoff(attempt)
         with self._lock:
             now = time.monotonic()
             self._down_until[index] = now + max(delay, 1.0)

@@ -1,8 +1,9 @@
 """One ``extract_many`` run: the Extract stream, its window, and the order of results.
 
 Data flow: the caller's images are pulled lazily (at most `window` sent and not yet
-answered), turned into wire Images (:mod:`.images`), and put on a request queue that
-gRPC's sender drains. The caller's side reads the answers: tensor chunks are
+answered), each turned into its request's wire bytes at once (:mod:`.wire`: an input's
+bytes are copied once, and the stream keeps only that copy for a re-send), and put on
+a request queue that gRPC's sender drains. The caller's side reads the answers: tensor chunks are
 reassembled (:mod:`.tensors`) until the image's status message ends it, and results
 are yielded in input order. If the server goes UNAVAILABLE,
 :class:`~.endpoints.Endpoints` opens the stream again on another address and the
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from . import errors
+from . import errors, wire
 from .endpoints import Endpoints
 from .images import default_id, to_image
 from .tensors import Collected
@@ -51,7 +52,8 @@ Step = Generator["tuple[str, Any]", Any, None]
 class _Pending:
     index: int
     id: str
-    image: pb.Image | None          # None: failed locally before sending
+    #: the image's request, encoded (:mod:`.wire`); None: failed locally before sending
+    image: bytes | None
     error: errors.HookserveError | None = None
     #: Per-image request data a subclass sends with the image (Attribute: its target).
     extra: Any = None
@@ -88,8 +90,13 @@ class Extraction:
     def _spec_request(self) -> Any:
         return pb.ExtractRequest(spec=self.spec)
 
-    def _image_request(self, p: _Pending) -> Any:
-        return pb.ExtractRequest(image=p.image)
+    def _extra(self, index: int) -> Any:
+        """Per-image request data for image `index`, taken before it is encoded."""
+        return None
+
+    def _encode(self, obj: Any, wire_id: str, extra: Any) -> bytes:
+        """The wire bytes of the image's request."""
+        return wire.extract_request(obj, wire_id)
 
     def _opened(self, call: Any) -> None:
         """A new call of this run has started (a hook for watchers: it can be cancelled)."""
@@ -128,11 +135,12 @@ class Extraction:
             # Answers are matched by order, so the default wire id is only the position:
             # the same path twice is not a duplicate id, and chunks stay small.
             image_id, wire_id = default_id(obj, index), str(index)
+        extra = self._extra(index)
         try:
-            return _Pending(index, image_id, to_image(obj, wire_id))
+            return _Pending(index, image_id, self._encode(obj, wire_id, extra), extra=extra)
         except (OSError, TypeError, ValueError) as exc:
-            return _Pending(index, image_id, None,
-                            errors.InvalidArgument(f"could not read image {image_id!r}: {exc}"))
+            return _Pending(index, image_id, None, errors.InvalidArgument(
+                f"could not read image {image_id!r}: {exc}"), extra)
 
     def pull(self) -> _Pending | None:
         """The next image admitted from a (sync) iterable, None once it ran out."""
@@ -150,7 +158,7 @@ class Extraction:
         sent = 0
         for p in self.pending:  # re-send what the last stream left unanswered
             if p.image is not None:
-                yield SEND, self._image_request(p)
+                yield SEND, p.image
                 sent += 1
         self._reset()
         closed = False
@@ -162,7 +170,7 @@ class Extraction:
                     break
                 self.pending.append(p)
                 if p.image is not None:
-                    yield SEND, self._image_request(p)
+                    yield SEND, p.image
                     sent += 1
             if self.exhausted and not closed:
                 # Half-close once the last image is sent: the server can end the call
@@ -194,12 +202,8 @@ class Extraction:
         """Drive :meth:`steps` on one call with blocking I/O: a queue feeds gRPC's
         sender thread, the calling thread pulls images and reads answers."""
         requests: queue.SimpleQueue = queue.SimpleQueue()
-
-        def gen():
-            while (item := requests.get()) is not END:
-                yield item
-
-        call = getattr(stub, self.rpc)(gen(), timeout=self.time_left(),
+        # A callable's iterator keeps no reference to a request once it is handed on.
+        call = getattr(stub, self.rpc)(iter(requests.get, END), timeout=self.time_left(),
                                        metadata=self.endpoints.metadata)
         self._opened(call)
         responses = iter(call)

@@ -25,10 +25,12 @@ bad image does not fail a Ray task: a null cell, a cell that is not image bytes 
 integer, text), a path that is not text, an input over the per-file cap (refused from
 its length or size before it is read or copied; the cap is `max_file_bytes` lowered to
 what the server accepts), a file or URL that cannot be read, and a failure of the whole
-call each give such rows. When the layer's shape is fixed (any preprocessing
-but ``native`` without a reduction) its column is one ``[rows, *shape]`` array, and a
-failed row holds NaN (zeros for ``bfloat16``, which arrives as uint16 bit patterns);
-otherwise the column holds one array per row and ``None`` for failed rows.
+call each give such rows. When every layer's shape is fixed (a fixed input size, or
+under ``native`` or a resize without a crop, reductions that do not follow the image's
+size: ``avg``, ``max``, ``stats``; the shapes come from :func:`hookserve.tables.reduced_shape`)
+each column is one ``[rows, *shape]`` array, and a failed row holds NaN (zeros for
+``bfloat16``, which arrives as uint16 bit patterns); otherwise each column holds one
+array per row and ``None`` for failed rows.
 
 Ray itself is not imported here: install it with ``pip install 'hookserve[ray]'``.
 """
@@ -42,13 +44,16 @@ from typing import Any
 import numpy as np
 
 from . import errors
+from .batch.inputs import MAX_FILE_BYTES
 from .batch.limits import Cap, file_cap
 from .client import Client
+from .tables import DTYPES, REDUCTIONS, follows_size, numpy_dtype, reduced_shape
 
 __all__ = ["HookserveMapper", "read_bytes"]
 
-#: Per-file read cap for the ``path`` column (bytes); larger files become error rows.
-DEFAULT_MAX_FILE_BYTES = 256 << 20
+#: Per-file read cap for the ``path`` column (bytes); larger files become error rows
+#: (the default of `hookserve batch --max-file-bytes`).
+DEFAULT_MAX_FILE_BYTES = MAX_FILE_BYTES
 
 
 def read_bytes(path: str, storage_options: dict | None = None,
@@ -112,28 +117,22 @@ class HookserveMapper:
         desc = self.client.describe(model, crop)
         #: the per-file cap: max_file_bytes, lowered to what the server accepts
         self.cap = file_cap(max_file_bytes, [desc.max_message_bytes], "max_file_bytes")
-        self.shapes = self._fixed_shapes(desc, reduction, native, resize, crop)
-        self.fill = 0 if dtype == "bfloat16" else np.nan
-        self.np_dtype = {"float32": np.float32, "float16": np.float16,
-                         "bfloat16": np.uint16}.get(dtype, np.float32)
+        self.shapes = self._fixed_shapes(desc, reduction, native or bool(resize and not crop))
+        #: what a failed row holds in a fixed-shape column: NaN, or 0 for bfloat16 (bits)
+        self.np_dtype = numpy_dtype(dtype if dtype in DTYPES else "float32")
+        self.fill = np.nan if self.np_dtype.kind == "f" else 0
 
-    def _fixed_shapes(self, desc, reduction, native, resize, crop) -> dict[str, tuple] | None:
-        """Each layer's shape for every image, from DescribeModel; None when it varies."""
-        if native or (resize and not crop):
-            if reduction not in ("avg", "max"):
-                return None
+    def _fixed_shapes(self, desc, reduction: str, sized: bool) -> dict[str, tuple] | None:
+        """Each layer's shape for every image, from DescribeModel and the reduction's
+        shape rule; None when it varies (`sized`: the input keeps each image's size,
+        and a reduction that follows it does too)."""
         shapes = {}
         for la in self.layers:
             name = getattr(la, "name", la)
             red = getattr(la, "reduction", None) or reduction
-            shape = tuple(desc.layer(name).shape)
-            if red in ("avg", "max"):
-                shape = shape[:1]
-            elif red == "flatten":
-                shape = (int(np.prod(shape)),)
-            elif red != "none" or native or (resize and not crop):
-                return None  # a reduction whose shape DescribeModel does not give
-            shapes[name] = shape
+            if red not in REDUCTIONS or (sized and follows_size(red)):
+                return None
+            shapes[name] = reduced_shape(red, desc.shape_of(name), desc.layout_of(name))
         return shapes
 
     # -- one batch ---------------------------------------------------------------------

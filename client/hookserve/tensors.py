@@ -1,20 +1,11 @@
-"""Tensor wire format: dtype mapping and chunk reassembly (no torch)."""
+"""Tensor wire format: chunk reassembly (no torch); the dtypes are :mod:`.tables`'."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .tables import NUMPY_DTYPES
 from .v1 import hookserve_pb2 as pb
-
-#: Wire dtype -> numpy dtype. bfloat16 has no numpy dtype: it arrives as uint16
-#: bit patterns (see :func:`bfloat16_to_float32`).
-NUMPY_DTYPES = {
-    pb.DTYPE_FLOAT32: np.dtype("<f4"),
-    pb.DTYPE_FLOAT16: np.dtype("<f2"),
-    pb.DTYPE_BFLOAT16: np.dtype("<u2"),
-}
-DTYPE_NAMES = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
-               "bfloat16": pb.DTYPE_BFLOAT16}
 
 
 def bfloat16_to_float32(a: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The SDK's value types (Layer, Result, ModelInfo, ...) and their wire forms.
 
-The reduction and dtype names are listed once here (:data:`REDUCTIONS`) and in
-:mod:`.tensors` (:data:`~.tensors.DTYPE_NAMES`); the CLI's choices come from them.
+The reduction and dtype names come from :mod:`.tables` (derived from the proto enums),
+as the CLI's choices do.
 """
 
 from __future__ import annotations
@@ -13,27 +13,19 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .tensors import DTYPE_NAMES
+from .tables import DTYPE_FROM_WIRE, DTYPES, REDUCTIONS, split_port
 from .v1 import hookserve_pb2 as pb
 
 #: A size as the SDK and the CLI take it: "480x640" (HxW), "224" or 224 (a square), (h, w).
 Size = int | str | tuple[int, int]
 
-#: Reduction name -> wire enum, in the order the CLI lists them.
-REDUCTIONS = {
-    "none": pb.REDUCTION_NONE, "avg": pb.REDUCTION_AVG_POOL, "max": pb.REDUCTION_MAX_POOL,
-    "flatten": pb.REDUCTION_FLATTEN, "stats": pb.REDUCTION_STATS,
-}
-#: Columns of a "stats" result ``[C, 5]`` (the server also names them on the wire).
-STATS_COLUMNS = ("mean", "std", "min", "max", "zero_fraction")
-DTYPE_FROM_WIRE = {v: k for k, v in DTYPE_NAMES.items()}
-
 
 @dataclass(frozen=True)
 class Layer:
-    """A requested layer with its reduction (none|avg|max|flatten|stats), dtype and L2
-    option. "stats" gives float32 ``[C, 5]`` per channel (``[1, 5]`` for a vector):
-    :data:`STATS_COLUMNS`."""
+    """A requested layer with its reduction (none|avg|max|flatten|stats|cls), dtype and
+    L2 option. "stats" gives float32 ``[C, 5]`` per channel (``[1, 5]`` for a vector):
+    :data:`~.tables.STATS_COLUMNS`; avg, max and stats keep the channels whatever the
+    layer's layout (``LayerInfo.layout``); "cls" is token 0 of a ``TD`` (ViT) layer."""
 
     name: str
     reduction: str = "none"
@@ -44,10 +36,10 @@ class Layer:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, "
                              f"got {self.reduction!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         return pb.LayerRequest(name=self.name, reduction=REDUCTIONS[self.reduction],
-                               dtype=DTYPE_NAMES[self.dtype], l2_normalize=self.l2_normalize)
+                               dtype=DTYPES[self.dtype], l2_normalize=self.l2_normalize)
 
 
 @dataclass
@@ -65,7 +57,7 @@ class Result:
     #: The typed error when this image failed; the iteration goes on regardless.
     error: errors.HookserveError | None = None
     #: Layer name -> names along its last dimension, for layers whose entries have
-    #: names (reduction "stats": :data:`STATS_COLUMNS`).
+    #: names (reduction "stats": :data:`~.tables.STATS_COLUMNS`).
     columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: The layers the server answered from its answer cache (the same image bytes,
     #: weights and spec were answered before) rather than computed for this image.
@@ -101,6 +93,10 @@ class LayerInfo:
     order: int
     input_shape: tuple[int, ...] = ()
     input_bytes_per_image: int = 0
+    #: How `shape` is laid out: "CHW", "HWC", "TD" (tokens x features), "D", or "" when
+    #: the server does not say; avg, max, stats and the CAM methods keep the channels.
+    layout: str = ""
+    input_layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,6 +117,12 @@ class ModelInfo:
     crop: tuple[int, int]
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    #: Classes of the classifier head (0 from a server that does not say).
+    num_classes: int = 0
+    #: Class names in index order; () when the classes have none.
+    labels: tuple[str, ...] = ()
+    #: The layer the CAM methods explain when none is named ("" from an older server).
+    default_cam_layer: str = ""
     #: "fp32", "bf16" or "fp16": the arithmetic of its forward pass (autocast)
     precision: str = "fp32"
 
@@ -133,7 +135,14 @@ class ModelInfo:
             pretrained=m.weights.pretrained, weights_verified=m.weights.verified,
             device=m.device, dtype=DTYPE_FROM_WIRE.get(m.dtype, "float32"),
             resize=p.resize, crop=(p.crop_height, p.crop_width),
-            mean=tuple(p.mean), std=tuple(p.std), precision=m.precision or "fp32")
+            mean=tuple(p.mean), std=tuple(p.std), num_classes=m.num_classes,
+            labels=tuple(m.labels), default_cam_layer=m.default_cam_layer,
+            precision=m.precision or "fp32")
+
+
+def _layout(value: int) -> str:
+    """A wire Layout as its name ("CHW"); "" when unspecified."""
+    return "" if value == pb.LAYOUT_UNSPECIFIED else pb.Layout.Name(value).removeprefix("LAYOUT_")
 
 
 @dataclass(frozen=True)
@@ -158,16 +167,22 @@ class ModelDescription:
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The tensor shape a layer request `name` returns before any reduction:
         the output's, or for ``"<layer>:input"`` that module's input's."""
-        base, _, port = name.rpartition(":")
-        if port == "input":
-            return self.layer(base).input_shape
-        return self.layer(name).shape
+        module, is_input = split_port(name)
+        return self.layer(module).input_shape if is_input else self.layer(module).shape
+
+    def layout_of(self, name: str) -> str:
+        """The layout ("CHW", "HWC", "TD", "D"; "" when not reported) of what a layer
+        request `name` returns before any reduction."""
+        module, is_input = split_port(name)
+        li = self.layer(module)
+        return li.input_layout if is_input else li.layout
 
     @classmethod
     def from_proto(cls, r: pb.DescribeModelResponse) -> ModelDescription:
         layers = [LayerInfo(li.name, li.module, li.type, tuple(li.output_shape),
                             DTYPE_FROM_WIRE.get(li.dtype, "float32"), li.bytes_per_image,
-                            li.order, tuple(li.input_shape), li.input_bytes_per_image)
+                            li.order, tuple(li.input_shape), li.input_bytes_per_image,
+                            _layout(li.layout), _layout(li.input_layout))
                   for li in r.layers]
         return cls(ModelInfo.from_proto(r.model), (r.input_height, r.input_width), layers,
                    r.gradient_bytes_per_image, r.max_message_bytes)

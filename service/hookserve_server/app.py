@@ -17,27 +17,38 @@ import threading
 import torch
 
 from . import precision
+from .architectures import is_timm
 from .cache.front import AnswerCache
 from .cache.local import LocalCache
 from .cache.shared import SharedCache
 from .engine import Engine, EngineConfig
 from .engine.compiled import CompileSettings, parse_warm
 from .errors import ConfigError
+from .labels import model_labels
 from .logs import LOUD
 from .memory_format import channels_last
-from .models import ServedModel, build_model, imagenet_cache_path, resolve_device
+from .models import (
+    ServedModel,
+    build_model,
+    defaults_for,
+    imagenet_cache_path,
+    resolve_device,
+)
 from .preflight import Checked, is_loopback, metrics_host, preflight
 from .server import HookServer, ServerOptions, create_server
 
 log = logging.getLogger("hookserve")
 
 
-def no_download(weights: dict[str, str]) -> dict[str, str]:
+def no_download(weights: dict[str, str], archs: dict[str, str] | None = None
+                ) -> dict[str, str]:
     """`--no-download`: settle auto/imagenet from the local cache alone, before any
-    code could reach the network (the container image runs this way)."""
+    code could reach the network (the container image runs this way). `archs`: each
+    model's architecture, when it is not the model's name."""
     out = dict(weights)
     for m, v in weights.items():
-        if v not in ("auto", "imagenet") or imagenet_cache_path(m).is_file():
+        arch = (archs or {}).get(m, m)
+        if v not in ("auto", "imagenet") or is_timm(arch) or imagenet_cache_path(arch).is_file():
             continue
         if v == "imagenet":
             raise ConfigError(
@@ -58,32 +69,41 @@ def check(args: argparse.Namespace, pre: Checked | None = None):
     Returns (model names, {model: weights spec}, device, server options)."""
     pre = pre or preflight(args)
     device = resolve_device(args.device)
-    weights = pre.weights if args.download else no_download(pre.weights)
+    weights = pre.weights if args.download else no_download(
+        pre.weights, {e.name: e.arch for e in pre.entries})
     options = ServerOptions(
         host=pre.host, port=args.port, max_streams=args.max_streams,
         max_receive_message_bytes=args.max_message_bytes, chunk_bytes=args.chunk_bytes,
         tls_cert=pre.tls_cert, tls_key=pre.tls_key, tls_client_ca=pre.tls_client_ca,
         auth_token=pre.auth_token, max_side_streams=args.max_side_streams,
-        stream_idle_seconds=args.stream_idle_seconds)
+        stream_idle_seconds=args.stream_idle_seconds, http_port=args.http_port,
+        http_tls_files=(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.tls_cert else None)
     return pre.names, weights, device, options
 
 
 def build(args: argparse.Namespace, pre: Checked | None = None):
     """Models, engine and (unstarted) server from parsed flags (`pre`: their
     `preflight`, when already done)."""
+    pre = pre or preflight(args)
     names, weights, device, options = check(args, pre)
     precisions = precision.per_model(names, args.precision or [])
-    for name, p in precisions.items():
-        precision.check(p, device, args.dtype, name)
+    devices = {e.name: resolve_device(e.device) if e.device else device for e in pre.entries}
+    for e in pre.entries:  # every model's precision before any model loads
+        precision.check(precisions[e.name], devices[e.name], e.dtype or args.dtype, e.name)
     if args.threads:
         torch.set_num_threads(args.threads)
     models = []
-    for name in names:
-        module, info = build_model(name, weights[name], seed=args.seed)
-        cl = channels_last(args.memory_format, args.channels_last, name, device)
-        models.append(ServedModel(name, name, module, info, device, args.dtype, cl,
+    for e in pre.entries:
+        name = e.name
+        dev, dtype = devices[name], e.dtype or args.dtype
+        module, info = build_model(e.arch, weights[name], seed=args.seed)
+        labels = model_labels(name, e.arch, info.source, info.num_classes, e.labels)
+        cl = channels_last(args.memory_format, args.channels_last, e.arch, dev)
+        models.append(ServedModel(name, e.arch, module, info, dev, dtype, cl, labels,
+                                  e.preprocessing_over(defaults_for(e.arch)),
                                   precisions[name]))
-        log.info("loaded %s on %s (%s weights %s, %s)", name, device, info.source,
+        log.info("loaded %s (%s) on %s (%s weights %s, %s)", name, e.arch, dev, info.source,
                  info.name, info.digest[:19])
     telemetry = None
     if args.metrics_port is not None:
@@ -117,7 +137,8 @@ def build_cache(args: argparse.Namespace, telemetry) -> AnswerCache | None:
         shared = SharedCache(args.cache_url, args.cache_ttl_seconds,
                              args.cache_max_value_bytes, args.cache_timeout_ms / 1000.0,
                              telemetry)
-    return AnswerCache(LocalCache(args.cache_bytes, telemetry), shared, telemetry)
+    return AnswerCache(LocalCache(args.cache_bytes, telemetry), shared, telemetry,
+                       gpu_decode=args.gpu_decode)
 
 
 def start_metrics(telemetry, args: argparse.Namespace) -> tuple[str, int]:
@@ -161,6 +182,9 @@ def start(args: argparse.Namespace, pre: Checked | None = None,
         log.warning("%s", warning)
     log.info("hookserve listening on %s:%d (models: %s; health SERVING)", server.opts.host,
              server.port, ", ".join(engine.models))
+    if server.http is not None:
+        log.info("Open Inference Protocol REST routes on %s:%d (/v2)", server.opts.host,
+                 server.http.port)
     return server
 
 

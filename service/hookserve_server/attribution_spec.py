@@ -1,11 +1,15 @@
 """Domain objects of the Attribute call (no protobuf, no grpc, no torch).
 
 Each enum member's value is its number in ``hookserve.v1`` (wire.py converts with
-``Method(n)``). What a method *does* is :mod:`hookserve_server.capture.attribute`.
+``Method(n)``). ``METHODS`` is the one table of what the engine needs to know of a
+method (CAM or not, its passes and cost); what a method *computes* is
+:mod:`hookserve_server.capture.attribute`. tests/test_value_lists.py checks that the
+proto, these enums and the table agree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .spec import ImageInput, Labelled, LayerOutput, Preprocess
@@ -30,7 +34,7 @@ class Method(Labelled):
     @property
     def is_cam(self) -> bool:
         """CAM methods weigh one layer's activation; the others explain the input."""
-        return self in (Method.GRAD_CAM, Method.HIRES_CAM, Method.LAYER_CAM)
+        return METHODS[self].cam
 
 
 class Score(Labelled):
@@ -80,21 +84,61 @@ class AttributionSpec:
     @property
     def passes(self) -> int:
         """Forward-and-backward passes of one image, per target class."""
-        if self.method is Method.INTEGRATED_GRADIENTS:
-            return self.ig_steps + 1
-        if self.method is Method.SMOOTH_GRAD:
-            return self.sg_samples
-        return 1
+        return METHODS[self.method].passes(self)
 
     @property
     def cost(self) -> int:
         """Forward-equivalents per image: a backward costs about two forwards.
 
-        passes * (1 + 2k), plus one forward of the clean image for SmoothGrad (the
-        formula the proto's Attribute comment gives clients).
+        passes * (1 + 2k), plus the method's extra forwards (SmoothGrad's clean image;
+        the formula the proto's Attribute comment gives clients).
         """
-        extra = 1 if self.method is Method.SMOOTH_GRAD else 0
-        return self.passes * (1 + 2 * self.targets_per_image) + extra
+        rule = METHODS[self.method]
+        return self.passes * (1 + 2 * self.targets_per_image) + rule.extra_forwards
+
+    def cost_text(self) -> str:
+        """How the cost adds up, in the SDK's parameter names."""
+        k = self.targets_per_image
+        per_point = f"(1 + 2 x {k} target{'s' if k > 1 else ''})"
+        return METHODS[self.method].cost_text(self, per_point)
+
+
+def _one_pass(spec: AttributionSpec) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class MethodRule:
+    """What the engine needs to know of one attribution method."""
+
+    #: Weighs one layer's activation (needs a [C, h, w] layer); else explains the input.
+    cam: bool
+    #: Forward-and-backward passes of one image per target, from the spec.
+    passes: Callable[[AttributionSpec], int] = _one_pass
+    #: Forwards per image besides the passes (SmoothGrad: the clean image's).
+    extra_forwards: int = 0
+    #: The SDK parameter that sets the passes ("steps"): lower it for a cheaper spec.
+    knob: str = ""
+    #: (spec, "(1 + 2 x k targets)") -> how the cost adds up, for messages.
+    cost_text: Callable[[AttributionSpec, str], str] = lambda spec, per: f"1 pass x {per}"
+
+
+#: The one table of methods (a new one: its proto value, a Method member, an entry
+#: here, and what it computes in capture/attribute.py).
+METHODS: dict[Method, MethodRule] = {
+    Method.GRAD_CAM: MethodRule(cam=True),
+    Method.HIRES_CAM: MethodRule(cam=True),
+    Method.LAYER_CAM: MethodRule(cam=True),
+    Method.GRADIENT: MethodRule(cam=False),
+    Method.GRADIENT_X_INPUT: MethodRule(cam=False),
+    Method.INTEGRATED_GRADIENTS: MethodRule(
+        cam=False, passes=lambda spec: spec.ig_steps + 1, knob="steps",
+        cost_text=lambda spec, per: f"steps={spec.ig_steps} gives {spec.passes} points "
+                                    f"x {per}"),
+    Method.SMOOTH_GRAD: MethodRule(
+        cam=False, passes=lambda spec: spec.sg_samples, extra_forwards=1, knob="samples",
+        cost_text=lambda spec, per: f"samples={spec.sg_samples} x {per} + 1"),
+}
 
 
 @dataclass
@@ -111,6 +155,8 @@ class ClassScore:
     class_index: int
     logit: float
     probability: float
+    #: The class's name ("" when the model's classes have none).
+    label: str = ""
 
 
 @dataclass(frozen=True)

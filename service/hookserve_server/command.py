@@ -18,7 +18,7 @@ import argparse
 import logging
 import sys
 
-from .config import add_serve_arguments
+from .config import ARCHITECTURES, add_serve_arguments  # noqa: F401  (models --available)
 from .errors import ConfigError, HookserveError
 from .logs import setup_logging
 from .openmp import set_wait_default

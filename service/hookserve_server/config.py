@@ -10,15 +10,41 @@ from __future__ import annotations
 import argparse
 import os
 
+from .spec import DType
+
 MiB = 1 << 20
 
-#: Served architectures (--model): any name ``torchvision.models.get_model`` knows works
-#: here; adding one is one line.
+#: Served architectures (--model): torchvision's image classifiers,
+#: ``torchvision.models.list_models(module=torchvision.models)``, written out so that
+#: start-up checks names before torch loads (tests/test_architectures.py keeps the two
+#: equal for the torchvision installed).
 ARCHITECTURES: tuple[str, ...] = (
-    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-    "vgg11", "vgg13", "vgg16", "vgg19",
-    "vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn",
+    "alexnet", "convnext_base", "convnext_large", "convnext_small", "convnext_tiny",
+    "densenet121", "densenet161", "densenet169", "densenet201", "efficientnet_b0",
+    "efficientnet_b1", "efficientnet_b2", "efficientnet_b3", "efficientnet_b4",
+    "efficientnet_b5", "efficientnet_b6", "efficientnet_b7", "efficientnet_v2_l",
+    "efficientnet_v2_m", "efficientnet_v2_s", "googlenet", "inception_v3", "maxvit_t",
+    "mnasnet0_5", "mnasnet0_75", "mnasnet1_0", "mnasnet1_3", "mobilenet_v2",
+    "mobilenet_v3_large", "mobilenet_v3_small", "regnet_x_16gf", "regnet_x_1_6gf",
+    "regnet_x_32gf", "regnet_x_3_2gf", "regnet_x_400mf", "regnet_x_800mf", "regnet_x_8gf",
+    "regnet_y_128gf", "regnet_y_16gf", "regnet_y_1_6gf", "regnet_y_32gf", "regnet_y_3_2gf",
+    "regnet_y_400mf", "regnet_y_800mf", "regnet_y_8gf", "resnet101", "resnet152",
+    "resnet18", "resnet34", "resnet50", "resnext101_32x8d", "resnext101_64x4d",
+    "resnext50_32x4d", "shufflenet_v2_x0_5", "shufflenet_v2_x1_0", "shufflenet_v2_x1_5",
+    "shufflenet_v2_x2_0", "squeezenet1_0", "squeezenet1_1", "swin_b", "swin_s", "swin_t",
+    "swin_v2_b", "swin_v2_s", "swin_v2_t", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn",
+    "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "vit_b_16", "vit_b_32", "vit_h_14",
+    "vit_l_16", "vit_l_32", "wide_resnet101_2", "wide_resnet50_2",
 )
+#: The prefix of a timm model name (`--model timm:resnet50d`; the `timm` extra).
+TIMM_PREFIX = "timm:"
+
+
+def known_architecture(name: str) -> bool:
+    """A torchvision classifier's name, or a timm model's (checked when timm loads)."""
+    return name in ARCHITECTURES or (name.startswith(TIMM_PREFIX) and len(name) > 5)
+
+
 #: --weights values other than a file's path.
 WEIGHT_CHOICES = ("auto", "imagenet", "random")
 
@@ -167,12 +193,24 @@ def _add(p: argparse.ArgumentParser, flag: str, *, default=None, type=str, help:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     _add(g, "--model", default=["resnet50"], repeat=True, metavar="ARCH",
-         help="architecture to serve; repeat for several, the first being the default "
-              f"model: {', '.join(ARCHITECTURES)}")
+         help="architecture to serve: any torchvision image classifier (resnet50, vgg16, "
+              "efficientnet_b0, convnext_tiny, vit_b_16, ...; `hookserve models "
+              "--available` lists them), or timm:NAME with the timm extra (weights from a "
+              "file); repeat for several, the first being the default model")
     _add(g, "--weights", default=["auto"], repeat=True, metavar="SPEC",
          help="auto | imagenet | random | PATH to a state_dict file, for every model; or "
               "MODEL=SPEC for one model (repeatable). auto: ImageNet weights when cached "
               "or downloadable, else seeded random weights with a loud warning")
+    _add(g, "--models", default=None, metavar="FILE",
+         help="a TOML file declaring the served models ([[model]] tables: name, "
+              "architecture, weights, labels, dtype, device, preprocessing); it replaces "
+              "--model, --weights and --labels, and its first model is the default. "
+              "When unset, the models come from --model")
+    _add(g, "--labels", default=None, repeat=True, metavar="MODEL=PATH",
+         help="class names of a model: a text file, one name a line in class-index order "
+              "(repeatable; a bare PATH when one model is served). They reach Attribute's "
+              "answers, ListModels and describe. When unset, --weights imagenet brings "
+              "torchvision's ImageNet names and other weights none")
     _add(g, "--download", default=True, is_bool=True,
          help="let auto/imagenet download ImageNet weights that are not cached in "
               "$TORCH_HOME; with --no-download start-up never touches the network "
@@ -181,7 +219,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="seed of random weights (--weights random, and auto's fallback)")
     _add(g, "--device", default="auto",
          help="auto (cuda:0 when CUDA is available, else cpu), cpu, or cuda:N")
-    _add(g, "--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+    _add(g, "--dtype", default="float32", choices=[d.label for d in DType],
          help="dtype the models compute in (float16/bfloat16 are meant for GPUs)")
     _add(g, "--channels-last", default=False, is_bool=True,
          help="the same as --memory-format channels_last")
@@ -237,6 +275,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--stream-idle-seconds", default=300.0, type=float, metavar="S",
          help="cancel a health Watch or reflection stream after this long with no "
               "message either way (work calls are never cut for silence); 0: never")
+    _add(g, "--http-port", type=int, metavar="PORT",
+         help="also serve the Open Inference Protocol's REST routes (KServe v2: /v2/...) "
+              "on this port (0 picks one), on the same host, token and TLS; off when "
+              "unset. Needs the http extra (starlette, uvicorn)")
     _add(g, "--max-message-bytes", default=64 * MiB, type=int, metavar="BYTES",
          help="largest request message the server accepts (one encoded image plus "
               "framing); larger ones get RESOURCE_EXHAUSTED")
@@ -311,14 +353,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
               "--max-buffer-bytes (at most half of it); 0: off")
     _add(g, "--cache-url", metavar="URL",
          help="also keep answers in Redis, shared by replicas: redis://[user:password@]"
-              "HOST:PORT[/DB] or rediss:// for TLS (needs hookserve[cache]); off when unset")
+              "HOST:PORT[/DB], rediss:// for TLS or unix://PATH (needs hookserve[cache]); "
+              "timeouts and retries are not URL options; a password is better given in "
+              "HOOKSERVE_CACHE_URL than on the command line; off when unset")
     _add(g, "--cache-ttl-seconds", default=86400, type=int, metavar="S",
          help="how long Redis keeps an answer")
     _add(g, "--cache-max-value-bytes", default="16MiB", type=byte_size, metavar="SIZE",
          help="largest answer (one layer's, encoded) written to Redis")
     _add(g, "--cache-timeout-ms", default=50.0, type=float, metavar="MS",
-         help="longest a Redis command may take; a slower or failed lookup is a miss, and "
-              "Redis is skipped for a second after a failure")
+         help="longest a Redis lookup may delay an image, name lookup and connecting "
+              "included; a slower or failed lookup is a miss, and Redis is skipped for a "
+              "second after a failure")
 
     g = p.add_argument_group("security")
     _add(g, "--tls-cert", metavar="PEM",

@@ -49,7 +49,9 @@ class PrometheusTelemetry(Telemetry):
             "hookserve_cache_events_total",
             "Answer-cache units by tier (local, shared) and event (hit, miss, coalesced: "
             "waited on the same key's computation, eviction, error: the shared tier "
-            "failed or timed out, counted as a miss too; store)",
+            "failed, timed out or was skipped, or a value read back did not match its key, "
+            "counted as a miss too; store: written to Redis; dropped: not written, the "
+            "write queue was full)",
             ["tier", "event"], registry=r)
         self.cache_size = Gauge("hookserve_cache_bytes", "Bytes the local answer cache holds",
                                 ["tier"], registry=r)

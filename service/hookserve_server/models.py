@@ -1,6 +1,6 @@
 """Architectures, weights loading, and ServedModel (a model on its device).
 
-Adding a torchvision architecture is one line in ``config.ARCHITECTURES``.
+The architectures are torchvision's classifiers (``config.ARCHITECTURES``).
 """
 
 from __future__ import annotations
@@ -8,10 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import socket
-import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +16,20 @@ import torch
 import torchvision
 from torch import nn
 
+from .architectures import (
+    DEFAULT_CLASSES,
+    build,
+    check_timm,
+    classifier_keys,
+    is_timm,
+    timm_transforms,
+)
 from .capture.reduce import DTYPES
 from .capture.table import LayerInfo, LayerTables, layer_names
+from .checkpoints import SAVE_HINT, head_classes, load_into, read_state_dict  # noqa: F401
 from .config import ARCHITECTURES, WEIGHT_CHOICES  # noqa: F401  (models.WEIGHT_CHOICES)
 from .errors import ConfigError
+from .layouts import default_cam_layer
 from .logs import LOUD
 from .precision import Precision
 from .spec import DType
@@ -40,6 +47,8 @@ class WeightsInfo:
     digest: str          # "sha256:..."
     pretrained: bool
     verified: bool = False
+    #: Outputs of the classifier head the weights carry.
+    num_classes: int = DEFAULT_CLASSES
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,11 @@ def default_weights_enum(arch: str):
 
 
 def defaults_for(arch: str) -> Defaults:
-    """The standard transforms of the architecture's default torchvision weights."""
+    """The standard transforms of the architecture's default torchvision weights (a
+    timm model's: its data config; hookserve resizes bilinearly)."""
+    if is_timm(arch):
+        resize, crop, mean, std = timm_transforms(arch)
+        return Defaults(resize, crop, mean, std)
     tf = default_weights_enum(arch).transforms()
     crop = int(tf.crop_size[0])
     return Defaults(
@@ -78,75 +91,6 @@ def defaults_for(arch: str) -> Defaults:
         std=tuple(float(x) for x in tf.std),
         interpolation=str(tf.interpolation.value),
     )
-
-
-#: How to write a file hookserve loads, ending every weights-file error.
-SAVE_HINT = "save the weights alone with torch.save(model.state_dict(), PATH)"
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _load_error(path: Path, exc: Exception) -> str:
-    """torch.load's refusal as one line that says what to do. torch's own message is
-    many lines (with terminal colour codes) and suggests loading with weights_only=False,
-    which hookserve never does: it would run code from the file."""
-    text = _ANSI.sub("", str(exc))
-    if found := re.search(r"GLOBAL ([\w.]+)", text):
-        name = found.group(1)
-        what = f"a pickled {name}"
-        if ".nn." in name or ".models." in name:
-            what += " (a whole model, saved with torch.save(model))"
-        return (f"weights file {path} holds {what}, not a state_dict (a dict of tensors): "
-                f"hookserve runs no code from a weights file; {SAVE_HINT}")
-    if not zipfile.is_zipfile(path):
-        reason = "it is not a file torch.save writes"
-    elif found := re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S):
-        reason = found.group(1)
-    else:
-        reason = f"{type(exc).__name__}: {text}"
-    reason = " ".join(reason.split())[:200]
-    return f"could not load weights file {path} as a state_dict ({reason}); {SAVE_HINT}"
-
-
-def _file_state_dict(path: Path, arch: str) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise ConfigError(f"weights file {path} does not exist (for model {arch})")
-    try:
-        with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
-            warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ConfigError(_load_error(path, exc)) from None
-    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        held = (f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"
-                if isinstance(obj, dict) else f"a {type(obj).__name__}")
-        raise ConfigError(f"weights file {path} holds {held}, not a state_dict (a dict of "
-                          f"tensors); {SAVE_HINT}")
-    if obj and all(k.startswith("module.") for k in obj):  # saved from DataParallel
-        obj = {k[len("module."):]: v for k, v in obj.items()}
-    return obj
-
-
-def _load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: str) -> None:
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
-             for k in own if k in sd and sd[k].shape != own[k].shape]
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing keys (e.g. {', '.join(missing[:3])})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected keys (e.g. {', '.join(unexpected[:3])})")
-        if wrong:
-            parts.append(f"{len(wrong)} shape mismatches (e.g. {'; '.join(wrong[:3])})")
-        raise ConfigError(
-            f"{where} does not match architecture {arch}: " + "; ".join(parts)
-            + ". Is it the state_dict of a torchvision " + arch + "?"
-        )
-    model.load_state_dict(sd, strict=True)
 
 
 def imagenet_cache_path(arch: str) -> Path:
@@ -192,18 +136,26 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
             "%s: %s does not match torchvision's published hash prefix %r; "
             "it is loaded, and reported as unverified", arch, path, prefix,
         )
-    sd = _file_state_dict(path, arch)
+    sd = read_state_dict(path, arch)
     return sd, f"{type(weights).__name__}.{weights.name}", verified
 
 
 def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, WeightsInfo]:
     """Build `arch` on the CPU with `weights` = auto | imagenet | random | PATH."""
-    if arch not in ARCHITECTURES:
+    if is_timm(arch):
+        check_timm(arch)
+        if weights == "imagenet":
+            raise ConfigError(f"{arch}: timm models take their weights from a file "
+                              "(--weights PATH); hookserve downloads none")
+        if weights == "auto":
+            log.warning("%s: NO PRETRAINED WEIGHTS: timm weights come from a file "
+                        "(--weights PATH), so serving RANDOM weights (seed=%d): features "
+                        "are meaningless for real use", arch, seed, extra=LOUD)
+            weights = "random"
+    elif arch not in ARCHITECTURES:
         raise ConfigError(
-            f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}"
-        )
+            f"unknown architecture {arch!r}: `hookserve models --available` lists them")
     torch.manual_seed(seed)
-    model = torchvision.models.get_model(arch, weights=None)
     if weights in ("imagenet", "auto"):
         try:
             sd, name, verified = _imagenet_state_dict(arch)
@@ -215,16 +167,21 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
                         exc, extra=LOUD)
             weights = "random"
         else:
-            _load_into(model, sd, f"cached ImageNet weights for {arch}", arch)
+            model = build(arch)
+            load_into(model, sd, f"cached ImageNet weights for {arch}", arch)
             return model, WeightsInfo("imagenet", name, state_dict_digest(model.state_dict()),
                                       True, verified)
     if weights == "random":
+        model = build(arch)
         return model, WeightsInfo("random", f"seed={seed}",
                                   state_dict_digest(model.state_dict()), False)
     path = Path(weights).expanduser()
-    sd = _file_state_dict(path, arch)
-    _load_into(model, sd, f"weights file {path}", arch)
-    return model, WeightsInfo("file", path.name, state_dict_digest(model.state_dict()), True)
+    sd = read_state_dict(path, arch)
+    classes = head_classes(sd, list(classifier_keys(arch))) or DEFAULT_CLASSES
+    model = build(arch, classes)  # a fine-tuned head: as many outputs as the checkpoint
+    load_into(model, sd, f"weights file {path}", arch)
+    return model, WeightsInfo("file", path.name, state_dict_digest(model.state_dict()), True,
+                              num_classes=classes)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -256,18 +213,22 @@ class ServedModel:
 
     def __init__(self, name: str, arch: str, module: nn.Module, weights: WeightsInfo,
                  device: torch.device, dtype: str = "float32",
-                 channels_last: bool = False,
+                 channels_last: bool = False, labels: tuple[str, ...] = (),
+                 defaults: Defaults | None = None,
                  precision: Precision = Precision.FP32) -> None:
         self.name = name
         self.arch = arch
         self.weights = weights
+        #: Class names in index order (labels.py); () when the classes have none.
+        self.labels = labels
         self.device = device
         self.dtype = DType[dtype.upper()]
         self.torch_dtype = DTYPES[self.dtype]
         self.channels_last = channels_last
         #: what the Extract forward pass computes in (precision.py)
         self.precision = precision
-        self.defaults = defaults_for(arch)
+        #: The preprocessing in force: the weights' transforms(), or the model file's.
+        self.defaults = defaults or defaults_for(arch)
         module.eval().requires_grad_(False)
         module.to(device=device, dtype=self.torch_dtype)
         if channels_last:
@@ -276,9 +237,12 @@ class ServedModel:
         self.modules: dict[str, nn.Module] = dict(module.named_modules())
         self.mean = torch.tensor(self.defaults.mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(self.defaults.std, device=device).view(1, 3, 1, 1)
-        self.tables = LayerTables(name, arch, self.torch_dtype)
+        self.tables = LayerTables(name, arch, self.torch_dtype, weights.num_classes)
         #: layer name -> (module path, call index)
         self.layer_index = layer_names(self.layer_table(*self.defaults.crop))
+        #: The layer the CAM methods explain when none is named.
+        self.default_cam_layer = default_cam_layer(arch, self.layer_table(*self.defaults.crop),
+                                                   self.modules)
 
     def layer_table(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (capture/table.py)."""

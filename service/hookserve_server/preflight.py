@@ -10,16 +10,19 @@ Each check raises a ConfigError that says what to change. No torch, no grpc here
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import ipaddress
 import re
 import socket
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ARCHITECTURES, WEIGHT_CHOICES
+from .config import ARCHITECTURES, WEIGHT_CHOICES, known_architecture
 from .errors import ConfigError
+from .labels import labels_per_model
+from .model_file import ModelEntry, from_flags, read_model_file
 
 #: The largest message the server sends (gRPC's send limit; chunks stay under it).
 MAX_SEND_MESSAGE_BYTES = 16 << 20
@@ -133,6 +136,10 @@ class Checked:
     tls_client_ca: bytes | None
     auth_token: str | None
     metrics_host: str | None
+    #: `--labels`: {model: path of its class names}.
+    labels: dict[str, Path] = field(default_factory=dict)
+    #: Every served model, in order (`--models`, or the flags).
+    entries: list[ModelEntry] = field(default_factory=list)
 
 
 def preflight(args: argparse.Namespace) -> Checked:
@@ -144,20 +151,17 @@ def preflight(args: argparse.Namespace) -> Checked:
         raise ConfigError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
-    names = args.model or ["resnet50"]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--model lists a model twice: {names}")
-    unknown = [n for n in names if n not in ARCHITECTURES]
-    if unknown:
-        raise ConfigError(f"unknown --model {', '.join(unknown)}: choose from "
-                          f"{', '.join(ARCHITECTURES)}")
+    entries = (read_model_file(Path(args.models).expanduser()) if args.models
+               else models_from_flags(args))
     checked = Checked(
-        names=names, weights=weights_per_model(names, args.weights or []), host=host,
+        names=[e.name for e in entries], weights={e.name: e.weights for e in entries},
+        host=host,
         tls_cert=read_file(args.tls_cert, "--tls-cert"),
         tls_key=read_file(args.tls_key, "--tls-key"),
         tls_client_ca=read_file(args.tls_client_ca, "--tls-client-ca"),
         auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
-        metrics_host=mhost)
+        metrics_host=mhost, labels={e.name: e.labels for e in entries if e.labels},
+        entries=entries)
     if args.tls_cert:
         check_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     check_bindable(host, args.port, "--port")
@@ -165,7 +169,29 @@ def preflight(args: argparse.Namespace) -> Checked:
         import prometheus_client  # noqa: F401  (the server extra's: missing, say so now)
 
         check_bindable(mhost, args.metrics_port, "--metrics-port")
+    if args.http_port is not None:
+        import importlib.util
+        if not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
+            raise ConfigError("--http-port needs the http extra: pip install "
+                              "'hookserve[http]' (starlette, uvicorn)")
+        check_bindable(host, args.http_port, "--http-port")
     return checked
+
+
+def models_from_flags(args: argparse.Namespace) -> list[ModelEntry]:
+    """The models --model, --weights and --labels declare, checked."""
+    names = args.model or ["resnet50"]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--model lists a model twice: {names}")
+    unknown = [n for n in names if not known_architecture(n)]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], ARCHITECTURES, n=4, cutoff=0.5)
+        raise ConfigError(f"unknown --model {', '.join(unknown)}: "
+                          + (f"closest: {', '.join(close)}; " if close else "")
+                          + "`hookserve models --available` lists the torchvision "
+                          "classifiers it takes")
+    return from_flags(names, weights_per_model(names, args.weights or []),
+                      labels_per_model(names, args.labels or []))
 
 
 def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
@@ -173,7 +199,7 @@ def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
     out = dict.fromkeys(models, "auto")
     for spec in specs:
         name, sep, value = spec.partition("=")
-        if sep and name in ARCHITECTURES:
+        if sep and known_architecture(name):
             if name not in out:
                 raise ConfigError(f"--weights {spec}: {name} is not among --model {models}")
             out[name] = value
@@ -203,7 +229,7 @@ def check_ranges(args: argparse.Namespace) -> None:
                  "stream_idle_seconds"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
-    for name in ("port", "metrics_port"):
+    for name in ("port", "metrics_port", "http_port"):
         port = getattr(args, name)
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} {port} is not a port: use 0 to "
@@ -226,14 +252,57 @@ def check_cache(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if not args.cache_url:
         return
-    if args.cache_url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"--cache-url {args.cache_url.split('@')[-1]!r}: use "
-                          "redis://HOST:PORT, rediss://HOST:PORT (TLS) or unix://PATH")
+    from .cache.shared import write_queue_bytes
+
+    queue = write_queue_bytes(args.cache_max_value_bytes)
+    if args.cache_bytes + queue > args.max_buffer_bytes // 2:
+        raise ConfigError(f"--cache-url: --cache-bytes {args.cache_bytes} and the Redis "
+                          f"write queue ({queue} bytes) must fit in half of "
+                          f"--max-buffer-bytes ({args.max_buffer_bytes // 2}): raise "
+                          "--max-buffer-bytes or lower --cache-bytes")
     try:
         import redis  # noqa: F401
     except ImportError:
         raise ConfigError("--cache-url needs the redis client: pip install "
                           "'hookserve[cache]'") from None
+    check_cache_url(args.cache_url)
+
+
+#: URL options that would replace the timeouts and retries --cache-timeout-ms sets.
+_OWN_OPTIONS = ("timeout", "retry", "health_check", "keepalive")
+
+
+def check_cache_url(url: str) -> None:
+    """A Redis URL redis-py takes as meant: scheme, port and db, no options of ours,
+    and (for TCP) a host name that resolves now."""
+    import urllib.parse
+
+    from redis.connection import parse_url
+
+    shown = url.split("@")[-1]  # never echo a password
+    if url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"--cache-url {shown!r}: use redis://HOST:PORT, "
+                          "rediss://HOST:PORT (TLS) or unix://PATH")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        options = parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"--cache-url {shown!r}: {exc}") from None
+    own = [k for k in urllib.parse.parse_qs(parts.query)
+           if any(o in k.lower() for o in _OWN_OPTIONS)]
+    if own:
+        raise ConfigError(f"--cache-url {shown!r}: remove {', '.join(own)} from the URL; "
+                          "--cache-timeout-ms sets the timeouts (and there are no retries)")
+    if parts.scheme != "unix":
+        if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            raise ConfigError(f"--cache-url {shown!r}: the database after the port must "
+                              "be a number (redis://HOST:PORT/0)")
+        host = options.get("host", "localhost")
+        try:
+            socket.getaddrinfo(host, options.get("port", 6379), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ConfigError(f"--cache-url {shown!r}: cannot resolve {host!r} "
+                              f"({exc.strerror or exc})") from None
 
 
 def read_token(path: str) -> str:

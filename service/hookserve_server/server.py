@@ -16,7 +16,10 @@ from grpc_reflection.v1alpha import reflection
 from hookserve.v1 import hookserve_pb2 as pb
 
 from .allocator import keep_large_buffers_on_heap
+from .calls import Calls
 from .engine import Engine
+from .oip import servicer as oip
+from .oip.infer import Inference
 from .preflight import MAX_SEND_MESSAGE_BYTES
 from .servicer import Servicer
 from .stream_caps import SIDE_STREAMS, StreamCaps, same_shape
@@ -42,10 +45,14 @@ class ServerOptions:
     tls_key: bytes | None = None
     tls_client_ca: bytes | None = None
     auth_token: str | None = None
-    #: open calls of each streaming method other than Extract (health Watch, reflection)
+    #: open calls of each streaming method other than the work calls (health Watch,
+    #: reflection)
     max_side_streams: int = 16
     #: side streams with no message either way for this long are cancelled (0: never)
     stream_idle_seconds: float = 300.0
+    #: the OIP REST routes' port (None: off); TLS files (cert, key, client CA) for it
+    http_port: int | None = None
+    http_tls_files: tuple[str, str, str | None] | None = None
 
 
 class _TokenAuth(grpc.ServerInterceptor):
@@ -111,6 +118,12 @@ def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+def oip_send_limit(opts: ServerOptions, engine: Engine) -> int:
+    """gRPC's send limit: the OIP answer limit plus framing, within gRPC's 2 GiB."""
+    return min(max(opts.max_send_message_bytes,
+                   engine.config.max_stream_buffer_bytes + (1 << 20)), (1 << 31) - 1)
+
+
 class HookServer:
     """A running hookserve gRPC server. Create with :func:`create_server`."""
 
@@ -118,16 +131,17 @@ class HookServer:
         self.engine = engine
         self.opts = opts
         keep_large_buffers_on_heap()  # streamed chunks: see allocator.py
-        self.servicer = Servicer(engine, engine.telemetry, chunk_bytes=opts.chunk_bytes,
-                                 max_streams=opts.max_streams,
+        self.stream_caps = StreamCaps(opts.max_side_streams, opts.stream_idle_seconds,
+                                      opts.max_streams, lambda: engine.draining)
+        calls = Calls(engine.telemetry, engine.models, engine.default_model)
+        self.servicer = Servicer(engine, calls, self.stream_caps, chunk_bytes=opts.chunk_bytes,
                                  max_message_bytes=opts.max_receive_message_bytes)
-        self.stream_caps = StreamCaps(opts.max_side_streams, opts.stream_idle_seconds)
         interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []
         interceptors.append(self.stream_caps)
-        # Each open stream holds a thread. The servicer refuses Extract streams beyond
-        # max_streams, the stream caps other streaming methods beyond max_side_streams
-        # each, so the spare threads always serve health checks and unary calls: a
-        # server full of open streams still answers its liveness probe.
+        # Each open stream holds a thread. The stream caps refuse work calls beyond
+        # max_streams and other streaming methods beyond max_side_streams each, so the
+        # spare threads always serve health checks and unary calls: a server full of
+        # open streams still answers its liveness probe.
         # maximum_concurrent_rpcs is only a backstop against a flood of unary calls.
         workers = (opts.max_streams + opts.max_side_streams * len(SIDE_STREAMS)
                    + UNARY_HEADROOM)
@@ -139,15 +153,28 @@ class HookServer:
             maximum_concurrent_rpcs=workers,
             options=[
                 ("grpc.max_receive_message_length", opts.max_receive_message_bytes),
-                ("grpc.max_send_message_length", opts.max_send_message_bytes),
+                # One OIP answer holds every output (no chunks): up to the answer limit.
+                ("grpc.max_send_message_length", oip_send_limit(opts, engine)),
                 ("grpc.so_reuseport", 0),
             ],
         )
         _add_servicer(self.servicer, self.grpc)
+        self._serving = False
+        self.oip = oip.OipServicer(
+            Inference(engine, self.servicer, engine.config.max_stream_buffer_bytes),
+            self.servicer, ready=lambda: self._serving)
+        oip.add_to_server(self.oip, self.grpc)
+        self.http = None
+        if opts.http_port is not None:
+            from .oip.http import OipHttp
+            self.http = OipHttp(self.oip, opts.host, opts.http_port, token=opts.auth_token,
+                                max_body_bytes=opts.max_receive_message_bytes,
+                                tls=opts.http_tls_files)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+            (SERVICE_NAME, oip.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.grpc)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self._bind(f"{opts.host}:{opts.port}")
         self._stopped = threading.Event()
@@ -175,6 +202,7 @@ class HookServer:
         return port
 
     def _set_health(self, status) -> None:
+        self._serving = status == health_pb2.HealthCheckResponse.SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
@@ -183,6 +211,8 @@ class HookServer:
         self.engine.start()
         if not self._listening:
             self.grpc.start()
+            if self.http is not None:
+                self.http.start()
             self._listening = True
         return self
 
@@ -206,10 +236,12 @@ class HookServer:
             return
         end = time.monotonic() + grace
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer.start_drain()
-        idle = self.servicer.wait_idle(max(0.0, end - time.monotonic()))
+        self.stream_caps.start_drain(self.engine.start_drain)
+        idle = self.stream_caps.wait_idle(max(0.0, end - time.monotonic()))
         if not idle:
             log.warning("grace period over with streams still open: cancelling them")
+        if self.http is not None:
+            self.http.stop(max(0.1, end - time.monotonic()))
         self.grpc.stop(max(0.0, end - time.monotonic())).wait()
         self.engine.close(timeout=max(0.1, end - time.monotonic()))
         self.stream_caps.close()

@@ -1,20 +1,16 @@
-"""The gRPC servicer: a thin adapter between protobuf and the engine.
+"""The gRPC servicer: a thin adapter between protobuf and the engine, RPC methods only.
 
-Protobuf in (wire.py) -> domain objects -> Engine -> domain results -> protobuf out
-(wire.py). Errors are raised as domain errors and mapped to statuses by status.py.
-It counts the open work streams, Extract and Attribute, against one cap
-(--max-streams), so a drain waits for both; the drain state is the engine's.
+Each method parses (wire.py), calls the engine, and encodes (wire.py): protobuf in ->
+domain objects -> Engine -> domain results -> protobuf out. Errors are raised as
+domain errors and mapped to statuses by status.py (`mapped`). Beside it,
+stream_caps.py counts the open work calls (--max-streams, the drain) and calls.py logs
+and counts each call.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import json
-import logging
-import threading
+import functools
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -23,133 +19,43 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from . import wire
-from .attribution_spec import AttributionSpec
-from .errors import Cancelled, ResourceExhausted, Unavailable
-from .spec import ExtractionSpec, ImageResult
+from .calls import Calls, call_stats
+from .errors import Cancelled
 from .status import mapped
-from .telemetry import Telemetry
 
 if TYPE_CHECKING:  # the servicer is handed an engine; it never imports torch
     from .engine import Engine
-
-log = logging.getLogger("hookserve.calls")
+    from .stream_caps import StreamCaps
 
 
 class Servicer(pb_grpc.FeatureExtractorServicer):
     """hookserve.v1.FeatureExtractor over an Engine."""
 
-    def __init__(self, engine: Engine, telemetry: Telemetry, *, chunk_bytes: int = 2 << 20,
-                 max_streams: int = 128, max_message_bytes: int = 0) -> None:
+    def __init__(self, engine: Engine, calls: Calls, streams: StreamCaps, *,
+                 chunk_bytes: int = 2 << 20, max_message_bytes: int = 0) -> None:
         self.engine = engine
-        self.telemetry = telemetry
+        self.calls = calls
+        #: the work-call gate (--max-streams) and the drain
+        self.streams = streams
         self.chunk_bytes = chunk_bytes
         #: the request size limit, reported by DescribeModel (0: not reported)
         self.max_message_bytes = max_message_bytes
-        self.max_streams = max_streams
-        #: open streams by method ("Extract", "Attribute")
-        self._active: collections.Counter[str] = collections.Counter()
-        self._cond = threading.Condition()
 
-    # -- lifecycle, used by the server's shutdown ---------------------------------------
-    def start_drain(self) -> None:
-        """New calls get UNAVAILABLE; open streams stop taking new images."""
-        with self._cond:  # no stream slips in between the check in _enter and the drain
-            self.engine.start_drain()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no Extract or Attribute call is running; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not +self._active, timeout)
-
-    @property
-    def open_streams(self) -> int:
-        """Extract and Attribute calls running now (tests and the drain watch this)."""
-        with self._cond:
-            return sum(self._active.values())
-
-    def _refuse_if_draining(self) -> None:
-        # Unary calls too: during a rolling restart the SDK then asks another replica.
-        if self.engine.draining:
-            raise Unavailable("server is shutting down: retry on another replica")
-
-    @contextlib.contextmanager
-    def _stream_slot(self, method: str = "Extract"):
-        """An open work stream (Extract or Attribute), counted for the length of the
-        call; together they are capped at --max-streams. They are exempt from
-        stream_caps.py's idle timeout: a stream may be silent while its batch runs."""
-        with self._cond:
-            self._refuse_if_draining()
-            total = sum(self._active.values())
-            if total >= self.max_streams:
-                raise ResourceExhausted(
-                    f"{total} Extract/Attribute streams are open, this server's limit "
-                    "(--max-streams): retry shortly or use another replica",
-                    retry_after_s=1.0)
-            self._active[method] += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active[method] -= 1
-                self._cond.notify_all()
-
-    # -- observation -------------------------------------------------------------------
-    def _model_label(self, name: str) -> str:
-        """A model name fit for a metric label: unknown names collapse to "unknown"."""
-        name = name or self.engine.default_model
-        return name if name in self.engine.models else "unknown"
-
-    @contextlib.contextmanager
-    def _observed(self, method: str, context, stats: dict):
-        """Count the call by RPC, model, code (and attribution method), and log one
-        line for it (logs.py writes its fields as JSON or as text)."""
-        t0 = time.monotonic()
-        code = "OK"
-        try:
-            yield stats
-        except GeneratorExit:  # the client went away mid-stream
-            code = "CANCELLED"
-            raise
-        except Exception as exc:
-            code = getattr(exc, "code", "INTERNAL")
-            raise
-        finally:
-            attribution = stats.get("attribution_method", "")
-            self.telemetry.call_done(method, stats.get("model", ""), code, attribution)
-            line = {"event": "call", "method": method, "peer": context.peer(), **stats,
-                    "seconds": round(time.monotonic() - t0, 4), "code": code}
-            log.info(_CallLine(line), extra={"fields": line})
-
-    def _noted(self, requests, stats: dict):
-        """Pass requests through, noting the latest spec's model and layers for logs and
-        metrics (names are cut short: they come from the client). A request stream that
-        breaks because the client went away is the domain's Cancelled, not a fault."""
-        for req in _client_gone_is_cancelled(requests):
-            if isinstance(req, ExtractionSpec):
-                stats["model"] = self._model_label(req.model)
-                stats["layers"] = [layer.name[:100] for layer in req.layers[:32]]
-            elif isinstance(req, AttributionSpec):
-                stats["model"] = self._model_label(req.model)
-                stats["layers"] = [req.layer[:100]] if req.layer else []
-                stats["attribution_method"] = req.method.label
-            yield req
-
-    # -- RPCs ----------------------------------------------------------------------------
     @mapped
     def ListModels(self, request, context):
-        with self._observed("ListModels", context, {"model": ""}):
+        with self.calls.observed("ListModels", context, {"model": ""}):
             wire.parse(pb.ListModelsRequest, request)
-            self._refuse_if_draining()
+            self.streams.refuse_if_draining()
             return pb.ListModelsResponse(
                 models=[wire.model_info(m) for m in self.engine.models.values()])
 
     @mapped
     def DescribeModel(self, request, context):
         stats = {"model": ""}
-        with self._observed("DescribeModel", context, stats):
+        with self.calls.observed("DescribeModel", context, stats):
             request = wire.parse(pb.DescribeModelRequest, request)
-            stats["model"] = self._model_label(request.model)
-            self._refuse_if_draining()
+            stats["model"] = self.calls.model_label(request.model)
+            self.streams.refuse_if_draining()
             m, (h, w), layers = self.engine.describe(request.model, request.input_height,
                                                      request.input_width)
             return pb.DescribeModelResponse(
@@ -167,15 +73,16 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
     def ExtractImage(self, request, context):
         """One image, no stream kept open: its tensors, then the call's status is the
         image's (an error is raised, and mapped, before any tensor is sent)."""
-        stats = _call_stats()
-        with self._observed("ExtractImage", context, stats), self._stream_slot("ExtractImage"):
+        stats = call_stats()
+        with (self.calls.observed("ExtractImage", context, stats),
+              self.streams.work_slot("ExtractImage")):
             spec, image = wire.image_request(request)
-            stats["model"] = self._model_label(spec.model)
-            stats["layers"] = [layer.name[:100] for layer in spec.layers[:32]]
+            self.calls.note_spec(spec, stats)
             session = self.engine.session(_deadline(context))
             context.add_callback(session.cancel)
+            messages = functools.partial(wire.tensor_messages, chunk_bytes=self.chunk_bytes)
             for result in session.run_one(spec, image):
-                yield from self._answer(result, stats, wire.tensor_messages)
+                yield from self.calls.answered(result, stats, messages)
                 if result.error is not None:
                     error, result = result.error, None
                     try:
@@ -191,40 +98,15 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
     def _stream(self, method: str, requests, context, messages, response_cls):
         """One Extract or Attribute call: a Session over the parsed requests, each
         image's answer as `messages(result, chunk_bytes)` then its status."""
-        stats = _call_stats()
-        with self._observed(method, context, stats), self._stream_slot(method):
+        stats = call_stats()
+        with self.calls.observed(method, context, stats), self.streams.work_slot(method):
             session = self.engine.session(_deadline(context))
             context.add_callback(session.cancel)
-            for result in session.run(self._noted(requests, stats)):
-                yield from self._answer(result, stats, messages)
+            encode = functools.partial(messages, chunk_bytes=self.chunk_bytes)
+            noted = self.calls.noted(_client_gone_is_cancelled(requests), stats)
+            for result in session.run(noted):
+                yield from self.calls.answered(result, stats, encode)
                 yield wire.status_message(result, response_cls)
-
-    def _answer(self, result: ImageResult, stats: dict, messages) -> Iterator:
-        model = stats["model"]
-        stats["images"] += 1
-        if result.error is not None:
-            stats["failed"] += 1
-            self.telemetry.image_done(model, result.error.code)
-        else:
-            t0 = time.perf_counter()
-            yield from messages(result, self.chunk_bytes)
-            nbytes = sum(o.nbytes for o in result.outputs or ())
-            stats["bytes"] += nbytes
-            self.telemetry.serialize_seconds(time.perf_counter() - t0)
-            self.telemetry.bytes_sent(model, nbytes)
-            self.telemetry.image_done(model, "OK")
-
-
-class _CallLine(dict):
-    """A call's log fields; as the record's message, their JSON (made only if used)."""
-
-    def __str__(self) -> str:
-        return json.dumps(self)
-
-
-def _call_stats() -> dict:
-    """What one work call's log line and metrics report, filled in as it runs."""
-    return {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
 
 
 def _deadline(context) -> float | None:

@@ -3,8 +3,8 @@
 The enums are the domain side of the proto's enums: each member's value is its
 number in ``hookserve.v1`` (wire.py converts with ``Reduction(n)``), and ``label`` is
 the short name used in messages and logs. What a reduction or dtype *does* is one
-entry in :mod:`hookserve_server.capture.reduce`; tests/test_contract.py checks that
-the proto, these enums and that table agree.
+entry in :mod:`hookserve_server.capture.reduce`; tests/test_value_lists.py checks that
+the proto, these enums, the parser and that table agree.
 """
 
 from __future__ import annotations
@@ -35,6 +35,17 @@ class Reduction(Labelled):
     MAX = 3
     FLATTEN = 4
     STATS = 5
+    CLS = 6
+
+
+class Layout(Labelled):
+    """How a layer's per-image output is laid out (hookserve.v1.Layout; layouts.py)."""
+
+    UNSPECIFIED = 0
+    CHW = 1
+    HWC = 2
+    TD = 3
+    D = 4
 
 
 class DType(Labelled):
@@ -61,6 +72,8 @@ class LayerSpec:
     reduction: Reduction = Reduction.NONE
     dtype: DType = DType.FLOAT32
     l2_normalize: bool = False
+    #: The layer's layout, set when the spec is resolved against its model.
+    layout: Layout = Layout.CHW
 
 
 @dataclass(frozen=True)

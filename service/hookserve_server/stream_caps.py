@@ -1,21 +1,24 @@
-"""Caps on the open streaming calls other than the work streams: health Watch, reflection.
+"""One count of the open calls that hold a thread, and their caps.
 
 The synchronous gRPC server holds one pool thread per open call. The work calls
-(Extract, ExtractImage and Attribute) are counted by the servicer (`--max-streams`,
-shared); they may be silent for as long as a big batch computes, so no idle timeout
-applies to them. Every other streaming method (health Watch, reflection) is counted here, per
-method: calls beyond
-`--max-side-streams` of one method get RESOURCE_EXHAUSTED, and a call with no message
-either way for `--stream-idle-seconds` is cancelled. The server sizes its thread pool
-from these caps plus spare threads, so no number of open streams can stop health
-Check, ListModels or DescribeModel from answering.
+(`WORK_RPCS`: Extract, ExtractImage, Attribute) are counted together against
+`--max-streams` (the servicer holds a `work_slot` for each; the drain waits for them,
+`wait_idle`); they may be silent for as long as a big batch computes, so no idle
+timeout applies to them. Every other streaming method (health Watch, reflection) is
+counted per method by the interceptor: calls beyond `--max-side-streams` of one
+method get RESOURCE_EXHAUSTED, and a call with no message either way for
+`--stream-idle-seconds` is cancelled. The server sizes its thread pool from these
+caps plus spare threads, so no number of open streams can stop health Check,
+ListModels or DescribeModel from answering.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -23,11 +26,19 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from hookserve.v1 import hookserve_pb2 as pb
 
-#: The work calls: the servicer counts them itself (--max-streams, shared).
-EXTRACT = "/hookserve.v1.FeatureExtractor/Extract"
-EXTRACT_IMAGE = "/hookserve.v1.FeatureExtractor/ExtractImage"
-ATTRIBUTE = "/hookserve.v1.FeatureExtractor/Attribute"
-WORK_STREAMS = (EXTRACT, EXTRACT_IMAGE, ATTRIBUTE)
+from .errors import ResourceExhausted, Unavailable
+from .oip import grpc_service_pb2 as oip_pb
+
+_HOOKSERVE = pb.DESCRIPTOR.services_by_name["FeatureExtractor"].full_name
+_OIP = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+#: The work calls by name, each with the method path it is counted under; together
+#: they are capped at --max-streams (a new one joins here). `HTTPInfer` is the REST
+#: front door's infer route, which has no gRPC path.
+WORK_RPCS = {**{m: f"/{_HOOKSERVE}/{m}" for m in ("Extract", "ExtractImage", "Attribute")},
+             **{m: f"/{_OIP}/{m}" for m in ("ModelInfer", "ModelStreamInfer")},
+             "HTTPInfer": "POST /v2/models/{model}/infer"}
+#: The gRPC methods among them (exempt from the side streams' caps and idle timeout).
+WORK_STREAMS = tuple(path for path in WORK_RPCS.values() if path.startswith("/"))
 #: Every other streaming method this server registers (health Watch, reflection, and
 #: any added to the proto later). The thread pool keeps `--max-side-streams` for each.
 SIDE_STREAMS = tuple(sorted(
@@ -51,13 +62,19 @@ class _Slot:
 
 
 class StreamCaps(grpc.ServerInterceptor):
-    """Counts open calls of each side-stream method; refuses extras, cancels idle ones."""
+    """Counts the open calls of each method: the work calls together (`work_slot`,
+    --max-streams), each side-stream method alone (refuses extras, cancels idle ones).
 
-    def __init__(self, per_method: int, idle_s: float, exempt: tuple[str, ...] = WORK_STREAMS
-                 ) -> None:
+    `draining` says whether shutdown began (new calls get UNAVAILABLE); `start_drain`
+    runs the engine's own drain under the count's lock, so no call slips in between.
+    """
+
+    def __init__(self, per_method: int, idle_s: float, max_streams: int = 128,
+                 draining: Callable[[], bool] = lambda: False) -> None:
         self.per_method = per_method
         self.idle_s = idle_s
-        self._exempt = exempt
+        self.max_streams = max_streams
+        self._draining = draining
         self._open: collections.Counter[str] = collections.Counter()
         self._slots: set[_Slot] = set()
         self._cond = threading.Condition()
@@ -78,10 +95,57 @@ class StreamCaps(grpc.ServerInterceptor):
             self._closed = True
             self._cond.notify_all()
 
+    # -- the work calls ----------------------------------------------------------------
+    @property
+    def work_streams(self) -> int:
+        """Work calls open now (tests and the drain watch this)."""
+        with self._cond:
+            return self._open_work()
+
+    def _open_work(self) -> int:
+        return sum(self._open[m] for m in WORK_RPCS.values())
+
+    def refuse_if_draining(self) -> None:
+        # Unary calls too: during a rolling restart the SDK then asks another replica.
+        if self._draining():
+            raise Unavailable("server is shutting down: retry on another replica")
+
+    @contextlib.contextmanager
+    def work_slot(self, rpc: str):
+        """An open work call (one of WORK_RPCS), counted for the length of the call;
+        together they are capped at --max-streams."""
+        method = WORK_RPCS[rpc]
+        with self._cond:
+            self.refuse_if_draining()
+            total = self._open_work()
+            if total >= self.max_streams:
+                raise ResourceExhausted(
+                    f"{total} work calls ({', '.join(WORK_RPCS)}) are open, this server's limit "
+                    "(--max-streams): retry shortly or use another replica",
+                    retry_after_s=1.0)
+            self._open[method] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._open[method] -= 1
+                self._cond.notify_all()
+
+    def start_drain(self, drain: Callable[[], None]) -> None:
+        """Run `drain` (the engine's: open streams stop taking new images) under the
+        count's lock: from here on new calls get UNAVAILABLE."""
+        with self._cond:
+            drain()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until no work call is open; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._open_work() == 0, timeout)
+
     # -- interceptor -------------------------------------------------------------------
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if (handler is None or details.method in self._exempt
+        if (handler is None or details.method in WORK_STREAMS
                 or not (handler.request_streaming or handler.response_streaming)):
             return handler
         method = details.method

@@ -159,14 +159,17 @@ def model_info(m: ServedModel) -> pb.ModelInfo:
                                pretrained=w.pretrained, verified=w.verified),
         preprocessing=pb.PreprocessingInfo(
             resize=d.resize, crop_height=d.crop[0], crop_width=d.crop[1], mean=d.mean,
-            std=d.std, interpolation=d.interpolation))
+            std=d.std, interpolation=d.interpolation),
+        num_classes=w.num_classes, labels=m.labels,
+        default_cam_layer=m.default_cam_layer)
 
 
 def layer_info(li: LayerInfo) -> pb.LayerInfo:
     return pb.LayerInfo(name=li.name, module=li.module, type=li.type, output_shape=li.shape,
                         dtype=li.dtype.value, bytes_per_image=li.bytes_per_image,
                         order=li.order, input_shape=li.input_shape,
-                        input_bytes_per_image=li.input_bytes)
+                        input_bytes_per_image=li.input_bytes, layout=li.layout.value,
+                        input_layout=li.input_layout.value)
 
 
 def status_message(result: ImageResult, cls=pb.ExtractResponse):
@@ -192,7 +195,8 @@ def attribution_messages(result: ImageResult, chunk_bytes: int
 
 
 def _score(s: ClassScore) -> pb.ClassScore:
-    return pb.ClassScore(class_index=s.class_index, logit=s.logit, probability=s.probability)
+    return pb.ClassScore(class_index=s.class_index, logit=s.logit, probability=s.probability,
+                         label=s.label)
 
 
 def _summary(out: AttributionOutput) -> pb.AttributionSummary:

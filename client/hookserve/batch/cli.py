@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from ..cli_args import add_connection_args, size_arg
-from ..tensors import DTYPE_NAMES
-from ..types import REDUCTIONS
+from ..tables import DTYPES, REDUCTIONS
+from .command import run
+from .defaults import DEFAULTS
 from .errors import (
     EXIT_CANNOT_PROCEED,
     EXIT_INCOMPLETE,
@@ -15,10 +16,6 @@ from .errors import (
     EXIT_OK,
     EXIT_SOME_FAILED,
 )
-from .inputs import MAX_FILE_BYTES
-from .limits import IN_FLIGHT_BYTES
-from .run import run
-from .sharded import DEFAULTS
 
 EXIT_HELP = f"""\
 exit codes:
@@ -39,8 +36,9 @@ outputs (by the extension of --out):
                 out.h5.parts/; at the end it becomes one self-contained file.
   .parquet      a folder of Parquet parts (one row per image, a fixed-size list
                 column per layer; needs 1-D features: --reduction avg|max|flatten).
-  otherwise     a folder: <layer>/<path>.npy per image and layer, index.jsonl,
-                hookserve.json.
+  .npy, no suffix or a trailing /
+                a folder: <layer>/<path>.npy per image and layer, index.jsonl,
+                hookserve.json. Any other suffix is an error (exit code 2).
 
 resume: run the same command again. Images already written are skipped (matched by
 path, and checked against the file's size and mtime); failed and missing images are
@@ -78,14 +76,16 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         "recurses; quote it), a .txt/.lst list of paths, a .csv/.tsv/"
                         ".parquet table with a path column, or an image file")
     p.add_argument("--out", required=True,
-                   help="output: NAME.h5, NAME.parquet, or a folder for .npy files")
+                   help="output: NAME.h5 (or .hdf5), NAME.parquet, or a folder of .npy "
+                        "files (NAME.npy, no suffix, or ending in /); any other suffix is "
+                        "an error")
     p.add_argument("--layers", action="append", required=True,
                    help="layer names, comma-separated or repeated; NAME:REDUCTION sets a "
                         "reduction per layer (e.g. layer4:avg,fc,layer3:input:stats)")
     p.add_argument("--model", help="model name (default: the server's default)")
-    p.add_argument("--reduction", default="none", choices=list(REDUCTIONS),
+    p.add_argument("--reduction", default=DEFAULTS["reduction"], choices=list(REDUCTIONS),
                    help="reduction for layers without their own (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES),
+    p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=list(DTYPES),
                    help="feature dtype; bfloat16 is stored as uint16 bit patterns")
     p.add_argument("--l2-normalize", action="store_true",
                    help="divide each image's feature by its L2 norm")
@@ -93,7 +93,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help="no resize or crop: feature maps follow each image's size")
     p.add_argument("--resize", type=int, help="resize the shorter side to this")
     p.add_argument("--crop", type=size_arg, help="centre crop HxW (or one number)")
-    p.add_argument("--path-column", default="path",
+    p.add_argument("--path-column", default=DEFAULTS["path_column"],
                    help="path column of .csv/.tsv/.parquet inputs (default: %(default)s)")
     p.add_argument("--root", help="folder that relative paths in list/table inputs are "
                                   "relative to (default: the working directory)")
@@ -102,37 +102,39 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         "(of each input shard's key in a sharded run): N jobs with "
                         "I=0..N-1 cover the input exactly once. Give each its own --out, "
                         "except in a sharded run, where all share one")
-    p.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES, metavar="BYTES",
+    p.add_argument("--max-file-bytes", type=int, default=DEFAULTS["max_file_bytes"],
+                   metavar="BYTES",
                    help="an input file (tar member, Parquet cell, URL) larger than this "
                         "fails alone with an error row, refused from its size before it "
                         "is read; the cap is lowered to what the server accepts (its "
                         "--max-message-bytes) (default: %(default)s)")
-    p.add_argument("--streams", type=int, default=4,
+    p.add_argument("--streams", type=int, default=DEFAULTS["streams"],
                    help="parallel extraction streams (default: %(default)s)")
-    p.add_argument("--max-in-flight", type=int, default=128,
+    p.add_argument("--max-in-flight", type=int, default=DEFAULTS["max_in_flight"],
                    help="images read and not yet written, over all streams; bounds memory "
                         "and what a kill can lose (default: %(default)s)")
-    p.add_argument("--max-in-flight-bytes", type=int, default=IN_FLIGHT_BYTES,
+    p.add_argument("--max-in-flight-bytes", type=int, default=DEFAULTS["max_in_flight_bytes"],
                    metavar="BYTES",
                    help="input bytes read and not yet answered, over all streams; bounds "
                         "the client's memory (docs/limits.md); one larger input goes "
                         "alone (default: %(default)s)")
-    p.add_argument("--retries", type=int, default=5,
+    p.add_argument("--retries", type=int, default=DEFAULTS["retries"],
                    help="tries per image on UNAVAILABLE or overload (RESOURCE_EXHAUSTED with a "
                         "retry hint) before it counts as failed (default: %(default)s)")
-    p.add_argument("--checkpoint", type=int, default=1024, metavar="N",
+    p.add_argument("--checkpoint", type=int, default=DEFAULTS["checkpoint"], metavar="N",
                    help=".h5/.parquet: make written images visible as a new part every N "
                         "images (default: %(default)s), every --checkpoint-secs, or every "
                         "256 MB. Images are safe from a kill as soon as they are written, "
                         "checkpoint or not")
-    p.add_argument("--checkpoint-secs", type=float, default=60.0,
+    p.add_argument("--checkpoint-secs", type=float, default=DEFAULTS["checkpoint_secs"],
                    help="seconds between checkpoints (default: %(default)s)")
     p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
                    help=".h5: at the end keep out.h5 as a virtual file over out.h5.parts/ "
                         "instead of copying everything into one file")
     p.add_argument("--errors", help="CSV of failed images: path, code, message "
                                     "(default: OUT.errors.csv; removed when none failed)")
-    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+    p.add_argument("--progress", dest="progress", action="store_true",
+                   default=DEFAULTS["progress"],
                    help="show the progress bar (default: only when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="never show the progress bar")
@@ -145,7 +147,8 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--sharded", action="store_true",
                    help="treat the inputs as shards (one output part and done marker "
                         "each) even when they are all local")
-    g.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+    g.add_argument("--storage-option", action="append", default=DEFAULTS["storage_option"],
+                   metavar="KEY=VALUE",
                    help="fsspec option for URL inputs and outputs, repeatable (a JSON "
                         "value is parsed: anon=true); S3 credentials and endpoint come "
                         "from the standard AWS_* environment")
@@ -163,7 +166,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    metavar="BYTES", help="a .parquet input larger than this is one shard "
                    "per row group (default: %(default)s)")
     # --server may be repeated here.
-    add_connection_args(p, repeatable=True,
+    add_connection_args(p, repeatable=True, timeout_default=DEFAULTS["timeout"],
                         timeout_help="seconds for every call: each unary call's deadline; "
                         "an Extract stream with images outstanding is cancelled and its "
                         "images sent again after this long without an answer; each read "

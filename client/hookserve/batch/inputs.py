@@ -162,11 +162,16 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def shard_of(path: str, n: int) -> int:
-    """The shard (0..n-1) a path belongs to: a hash of the path string, so adding or
-    removing other files never moves an image to another shard."""
-    h = hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=8).digest()
-    return int.from_bytes(h, "big") % n
+def name_digest(name: str) -> bytes:
+    """The one hash of a name (a path, a URL, a shard's key): 8 bytes of BLAKE2b of its
+    UTF-8 (surrogate escapes kept), the same on every machine and run."""
+    return hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+
+
+def shard_of(name: str, n: int) -> int:
+    """The shard (0..n-1) a path (or a shard's key) belongs to: a hash of the string,
+    so adding or removing other files never moves an image to another shard."""
+    return int.from_bytes(name_digest(name), "big") % n
 
 
 def select_shard(paths: list[str], shard: tuple[int, int] | None) -> list[str]:

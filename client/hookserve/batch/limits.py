@@ -9,7 +9,10 @@
   (``--max-in-flight-bytes``). A reader takes an input's size from it before it reads
   the input and gives it back once the input is answered; one input larger than the
   whole budget is read only when nothing else is held.
-- :func:`check_flags`: every numeric flag's range, checked before anything starts.
+- :class:`LastRequest`: an answered input's bytes stay counted while gRPC still holds
+  its request (the last one a stream sent).
+- :func:`check_flags`: every numeric flag's range, and --out's format, checked before
+  anything starts.
 - :func:`return_freed_inputs`: the allocator setting under which the memory bound of
   docs/limits.md holds (inputs' buffers go back to the system once freed).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import errors
@@ -126,6 +130,38 @@ class ByteBudget:
             self._cond.notify_all()
 
 
+class LastRequest:
+    """The input whose request gRPC took last on one stream.
+
+    gRPC keeps the last request it sent until it takes the next one or the stream
+    ends, so an answered input's bytes are still held until then. A stream notes each
+    request it hands on (:meth:`handed`); an answer to the last one keeps its bytes
+    counted (:meth:`answered`) until the next request or the stream's end
+    (:meth:`let_go`), when `release` gets them.
+    """
+
+    def __init__(self, release: Callable[[int], None]) -> None:
+        self.release = release
+        self.key: object = None
+        self.kept = 0
+
+    def handed(self, key: object) -> None:
+        self.let_go()
+        self.key = key
+
+    def answered(self, key: object, nbytes: int) -> bool:
+        """Whether `nbytes` of the answered input `key` stay counted for now."""
+        if self.key is None or key != self.key or self.kept:
+            return False
+        self.kept = nbytes
+        return True
+
+    def let_go(self) -> None:
+        if self.kept:
+            self.release(self.kept)
+            self.kept = 0
+
+
 def return_freed_inputs(threshold: int = 1 << 20) -> bool:
     """glibc only: allocate buffers of `threshold` bytes or more (encoded inputs, their
     messages) with mmap, so a freed one goes back to the system at once.
@@ -155,7 +191,12 @@ _RANGES = {
 
 
 def check_flags(args) -> None:
-    """Raise :class:`Abort` (exit code 2, one line) for a flag out of its range."""
+    """Raise :class:`Abort` (exit code 2, one line) for a flag out of its range, or an
+    --out of no known format."""
+    from .sinks import unknown_format
+    why = unknown_format(args.out) if isinstance(getattr(args, "out", None), str) else None
+    if why:
+        raise Abort(why)
     for name, (low, what) in _RANGES.items():
         value = getattr(args, name, None)
         if value is not None and value < low:

@@ -1,9 +1,10 @@
 """Reading one input shard's images, each one's cost known before it is paid.
 
-A reader yields :class:`Entry` objects in the shard's order. An entry says how many
-bytes reading it can cost (`bound`: the exact size from a stat, a tar header, a
-listing or a Parquet offset; or a first reservation for an object of unknown size)
-and reads only when asked (:meth:`Entry.start`), after the run has reserved those
+:func:`entries` reads a shard that :mod:`.shard_plan` planned. A reader yields
+:class:`Entry` objects in the shard's order. An entry says how many bytes reading it
+can cost (`bound`: the exact size from a stat, a tar header, a listing or a Parquet
+offset; or a first reservation for an object of unknown size) and reads only when
+asked (:meth:`Entry.start`), after the run has reserved those
 bytes (:class:`~.limits.ByteBudget`). An input over the per-file cap, a link member, a
 cell of the wrong kind: an entry with its error, nothing read.
 
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from .. import errors
-from .inputs import encode_name, is_image, read_bytes
-from .limits import Cap
+from .inputs import MAX_FILE_BYTES, encode_name, is_image, read_bytes
+from .limits import IN_FLIGHT_BYTES, Cap
 from .remote import STREAM_ERRORS, NeedMore, is_url, open_stream, read_object, storage_error
 
 #: Extensions of tar shards (compressed ones are decompressed as a stream).
@@ -188,15 +189,26 @@ def tar_entries(path: str, opts: dict, cap: Cap, timeout: float) -> Iterator[Ent
         yield Entry(f"{path}/", error=err)
 
 
-def _member_reader(tf: tarfile.TarFile, m: tarfile.TarInfo) -> Callable[[], bytes]:
-    def read() -> bytes:
+#: A tar member is read in pieces of this size into one buffer of its size: a streamed
+#: tar's own read of a whole member holds it two or three times over.
+MEMBER_PIECE = 1 << 20
+
+
+def _member_reader(tf: tarfile.TarFile, m: tarfile.TarInfo) -> Callable[[], bytearray]:
+    def read() -> bytearray:
+        data, n = bytearray(m.size), 0
         try:
             src = tf.extractfile(m)
-            data = src.read() if src is not None else b""
+            while src is not None and n < m.size:
+                piece = src.read(min(MEMBER_PIECE, m.size - n))
+                if not piece:
+                    break
+                data[n:n + len(piece)] = piece
+                n += len(piece)
         except (tarfile.TarError, zlib.error, *STREAM_ERRORS) as exc:
             raise data_loss(f"the member could not be read: {exc}") from None
-        if len(data) != m.size:
-            raise data_loss(f"the member is cut short: {len(data)} of {m.size} bytes")
+        if n != m.size:
+            raise data_loss(f"the member is cut short: {n} of {m.size} bytes")
         return data
     return read
 
@@ -242,7 +254,8 @@ def check_columns(source: str, schema, image_column: str, id_column: str | None)
     return leaf
 
 
-def _open_seekable(path: str, opts: dict):
+def open_seekable(path: str, opts: dict):
+    """A local file or an fsspec URL, opened for seeking reads (Parquet)."""
     if is_url(path):
         from .remote import filesystem
         fs, p = filesystem(path, opts)
@@ -267,7 +280,7 @@ def parquet_entries(shard, opts: dict, image_column: str, id_column: str | None,
 
     pq = need("pyarrow.parquet", "reading Parquet")
     try:
-        fh = _open_seekable(shard.source, opts)
+        fh = open_seekable(shard.source, opts)
     except Exception as exc:  # noqa: BLE001 - every store's errors become typed ones
         yield Entry(shard.key, error=storage_error(exc, shard.source))
         return
@@ -346,3 +359,21 @@ def _cells(col) -> Iterator:
                 yield None
             else:
                 yield values[int(index[i]) if index is not None else i].as_buffer()
+
+
+def entries(shard, *, opts: dict | None = None, image_column: str | None = None,
+            id_column: str | None = None, cap: Cap | None = None, timeout: float = 60.0,
+            max_group_bytes: int = IN_FLIGHT_BYTES) -> Iterator[Entry]:
+    """A :class:`~.shard_plan.Shard`'s images as :class:`Entry` objects, in a stable
+    order; one that cannot be read is an entry with its typed error, and the iteration
+    goes on. Nothing is read before the caller starts an entry."""
+    opts = opts or {}
+    cap = cap or Cap(MAX_FILE_BYTES)
+    if shard.kind == "tar":
+        return tar_entries(shard.source, opts, cap, timeout)
+    if shard.kind == "parquet":
+        if not image_column:
+            raise ShardError("a Parquet shard needs --image-column")
+        return parquet_entries(shard, opts, image_column, id_column, cap, max_group_bytes)
+    sizes = dict(zip(shard.files, shard.sizes, strict=False))  # none from a bare key
+    return file_entries(shard.files, sizes, opts, cap, timeout)

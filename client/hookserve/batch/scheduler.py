@@ -19,37 +19,17 @@ from __future__ import annotations
 import hashlib
 import heapq
 import queue
-import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
-import grpc
-
 from .. import errors
+from ..retry import RETRY_STREAM, RetryPolicy
 from .errors import Abort
 from .inputs import MAX_FILE_BYTES, encode_name, read_bytes
-from .limits import IN_FLIGHT_BYTES, Cap
+from .limits import IN_FLIGHT_BYTES, Cap, LastRequest
 from .streamcall import Watchdog, extract_many
-
-#: Per-image codes worth another try (possibly on another server).
-RETRY_IMAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-#: Call-level codes after which the stream's unanswered images are re-queued.
-RETRY_STREAM = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def retryable(error) -> bool:
-    """UNAVAILABLE, or RESOURCE_EXHAUSTED from overload (it carries a retry hint); the
-    size limits' RESOURCE_EXHAUSTED would fail again, so it is final."""
-    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return error.retry_after_s is not None
-    return error.code in RETRY_IMAGE
-
-
-def backoff(attempt: int) -> float:
-    return min(5.0, 0.1 * (2 ** attempt)) * (0.5 + random.random() / 2)
 
 
 @dataclass
@@ -112,6 +92,14 @@ class Scheduler:
                 wait = self.retry[0][0] - now if self.retry else None
                 self.cond.wait(timeout=wait)
 
+    def hold(self, nbytes: int) -> None:
+        """Count `nbytes` more input bytes as held (negative: fewer), besides the items
+        taken: an answered image whose request gRPC still holds (:class:`Feed`)."""
+        with self.cond:
+            self.bytes += nbytes
+            if nbytes < 0:
+                self.cond.notify_all()
+
     def requeue(self, item: Item, delay: float) -> None:
         with self.cond:
             heapq.heappush(self.retry, (time.monotonic() + delay, item))
@@ -135,9 +123,11 @@ class Feed:
     """The image and id iterables of one extract_many stream.
 
     extract_many pulls the next image only when its window has room, and calls
-    next(ids) right after next(images). The feed must never block while this stream
-    has unanswered images (their answers are read by the same thread), so then it
-    ends the stream instead; the worker opens a new one.
+    next(ids) right after next(images). The feed never blocks: when no item is
+    available now it ends the stream, and the worker waits for one with no stream open.
+
+    An answered image's bytes stay counted in the scheduler's while gRPC still holds
+    its request (:class:`~.limits.LastRequest`).
     """
 
     def __init__(self, sched: Scheduler, first: Item, failed, cap: Cap) -> None:
@@ -147,13 +137,23 @@ class Feed:
         self._ids: deque[str] = deque()
         self.failed = failed            # failed(item, error): a file that cannot be read
         self.cap = cap
+        self.last = LastRequest(lambda n: sched.hold(-n))
+
+    def answered(self, item: Item) -> None:
+        """`item` got its answer (the writer gives its bytes back once it is written)."""
+        if self.last.answered(item.pos, item.size):
+            self.sched.hold(item.size)
+
+    def let_go(self) -> None:
+        """The stream ended: gRPC holds none of its requests."""
+        self.last.let_go()
 
     def images(self):
         while True:
             if self.first is not None:
                 item, self.first = self.first, None
             else:
-                item = self.sched.take(block=not self.pending)
+                item = self.sched.take(block=False)
                 if item is None or item is DONE:
                     return
             try:  # a FIFO, device, vanished or changed file fails here, never blocks
@@ -168,7 +168,12 @@ class Feed:
             self.pending[sid] = item
             self._ids.append(sid)
             item.sha256 = hashlib.sha256(data).hexdigest()
-            yield data
+            self.last.handed(item.pos)  # replaces the last request in gRPC's hands
+            # Handed on unbound (this frame keeps no reference while it waits): once
+            # encoded into its request, the read buffer is freed.
+            held = [data]
+            del data
+            yield held.pop()
 
     def ids(self):
         while True:
@@ -193,6 +198,7 @@ class Streams:
         self.opts = opts
         self.model = model
         self.retries = retries
+        self.policy = RetryPolicy(retries)
         self.window = window
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.fatal: BaseException | None = None
@@ -235,6 +241,7 @@ class Streams:
                         item = feed.pending.pop(r.id, None)
                         if item is None:  # not ours (cannot happen): never write twice
                             continue
+                        feed.answered(item)
                         self._answer(item, r.features, r.error)
                 except errors.HookserveError as exc:
                     unanswered = list(feed.pending.values())
@@ -253,17 +260,19 @@ class Streams:
                             self.results.put((item, None, exc))
                         else:
                             self.retried += 1
-                            sched.requeue(item, backoff(item.attempts))
+                            sched.requeue(item, self.policy.backoff(item.attempts))
+                finally:
+                    feed.let_go()  # the stream is over: gRPC holds none of its requests
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             self._fail(exc)
 
     def _answer(self, item: Item, features, error) -> None:
         with self.sched.cond:
             self.sched.stream_failures = 0
-        if error is not None and retryable(error) and item.attempts < self.retries:
+        delay = self.policy.image_delay(error, item.attempts)
+        if delay is not None:
             item.attempts += 1
             self.retried += 1
-            delay = error.retry_after_s if error.retry_after_s else backoff(item.attempts)
             self.sched.requeue(item, delay)
             return
         self.results.put((item, features, error))

@@ -9,7 +9,8 @@ import time
 
 from .. import errors
 from ..cli_args import make_client
-from ..types import REDUCTIONS, Layer
+from ..tables import REDUCTIONS, follows_size, reduced_shape, split_port
+from ..types import Layer
 from .errors import Abort
 from .limits import Cap, file_cap
 from .sinks import format_of
@@ -32,7 +33,7 @@ def parse_layers(specs: list[str], default_reduction: str, dtype: str = "float32
             if not part:
                 continue
             name, sep, red = part.rpartition(":")
-            if not sep or red == "input":  # no reduction given
+            if not sep or split_port(part)[1]:  # no reduction given
                 name, red = part, ""
             red = red or default_reduction
             if red not in REDUCTIONS:
@@ -62,7 +63,7 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict, Cap]:
                     ) from None
     names = {li.name for li in desc.layers}
     for layer in layers:
-        if layer.name.removesuffix(":input") not in names:
+        if split_port(layer.name)[0] not in names:
             close = difflib.get_close_matches(layer.name, sorted(names), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise Abort(f"model {desc.model.name} has no layer {layer.name!r}{hint}; "
@@ -109,16 +110,14 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict, Cap]:
     }
     if format_of(args.out) == "parquet":
         for li in layers:
-            shape = desc.shape_of(li.name)
-            if li.reduction == "stats":  # [C, 5] per channel, [1, 5] for a vector
-                shape = (shape[0] if len(shape) > 1 else 1, 5)
-            if li.reduction in ("none", "stats") and len(shape) != 1:
+            shape = reduced_shape(li.reduction, desc.shape_of(li.name), desc.layout_of(li.name))
+            if len(shape) != 1:
                 raise Abort(f"layer {li.name} gives {shape} per image; "
                              "Parquet takes 1-D features: add --reduction avg|max|flatten "
                              f"(or {li.name}:avg), or write .h5 or a folder")
     if args.native and format_of(args.out) == "h5":
         for li in layers:
-            if li.reduction in ("none", "flatten") and len(desc.shape_of(li.name)) > 1:
+            if follows_size(li.reduction) and len(desc.shape_of(li.name)) > 1:
                 raise Abort(f"--native gives layer {li.name} a shape that follows each "
                              "image's size; HDF5 needs one shape: use --reduction avg|max, "
                              "or a folder output")

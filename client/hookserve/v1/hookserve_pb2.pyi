@@ -23,6 +23,15 @@ class Reduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REDUCTION_MAX_POOL: _ClassVar[Reduction]
     REDUCTION_FLATTEN: _ClassVar[Reduction]
     REDUCTION_STATS: _ClassVar[Reduction]
+    REDUCTION_CLS: _ClassVar[Reduction]
+
+class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYOUT_UNSPECIFIED: _ClassVar[Layout]
+    LAYOUT_CHW: _ClassVar[Layout]
+    LAYOUT_HWC: _ClassVar[Layout]
+    LAYOUT_TD: _ClassVar[Layout]
+    LAYOUT_D: _ClassVar[Layout]
 
 class AttributionMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -56,6 +65,12 @@ REDUCTION_AVG_POOL: Reduction
 REDUCTION_MAX_POOL: Reduction
 REDUCTION_FLATTEN: Reduction
 REDUCTION_STATS: Reduction
+REDUCTION_CLS: Reduction
+LAYOUT_UNSPECIFIED: Layout
+LAYOUT_CHW: Layout
+LAYOUT_HWC: Layout
+LAYOUT_TD: Layout
+LAYOUT_D: Layout
 ATTRIBUTION_METHOD_UNSPECIFIED: AttributionMethod
 ATTRIBUTION_METHOD_GRAD_CAM: AttributionMethod
 ATTRIBUTION_METHOD_HIRES_CAM: AttributionMethod
@@ -224,13 +239,16 @@ class PreprocessingInfo(_message.Message):
     def __init__(self, resize: _Optional[int] = ..., crop_height: _Optional[int] = ..., crop_width: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., interpolation: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "weights", "device", "dtype", "preprocessing", "precision")
+    __slots__ = ("name", "architecture", "weights", "device", "dtype", "preprocessing", "num_classes", "labels", "default_cam_layer", "precision")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREPROCESSING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_CAM_LAYER_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
@@ -238,8 +256,11 @@ class ModelInfo(_message.Message):
     device: str
     dtype: DType
     preprocessing: PreprocessingInfo
+    num_classes: int
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    default_cam_layer: str
     precision: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., weights: _Optional[_Union[WeightsInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., preprocessing: _Optional[_Union[PreprocessingInfo, _Mapping]] = ..., precision: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., weights: _Optional[_Union[WeightsInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., preprocessing: _Optional[_Union[PreprocessingInfo, _Mapping]] = ..., num_classes: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., default_cam_layer: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class DescribeModelRequest(_message.Message):
     __slots__ = ("model", "input_height", "input_width")
@@ -252,7 +273,7 @@ class DescribeModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., input_height: _Optional[int] = ..., input_width: _Optional[int] = ...) -> None: ...
 
 class LayerInfo(_message.Message):
-    __slots__ = ("name", "module", "type", "output_shape", "dtype", "bytes_per_image", "order", "input_shape", "input_bytes_per_image")
+    __slots__ = ("name", "module", "type", "output_shape", "dtype", "bytes_per_image", "order", "input_shape", "input_bytes_per_image", "layout", "input_layout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODULE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +283,8 @@ class LayerInfo(_message.Message):
     ORDER_FIELD_NUMBER: _ClassVar[int]
     INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     INPUT_BYTES_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     module: str
     type: str
@@ -271,7 +294,9 @@ class LayerInfo(_message.Message):
     order: int
     input_shape: _containers.RepeatedScalarFieldContainer[int]
     input_bytes_per_image: int
-    def __init__(self, name: _Optional[str] = ..., module: _Optional[str] = ..., type: _Optional[str] = ..., output_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes_per_image: _Optional[int] = ..., order: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_bytes_per_image: _Optional[int] = ...) -> None: ...
+    layout: Layout
+    input_layout: Layout
+    def __init__(self, name: _Optional[str] = ..., module: _Optional[str] = ..., type: _Optional[str] = ..., output_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes_per_image: _Optional[int] = ..., order: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_bytes_per_image: _Optional[int] = ..., layout: _Optional[_Union[Layout, str]] = ..., input_layout: _Optional[_Union[Layout, str]] = ...) -> None: ...
 
 class DescribeModelResponse(_message.Message):
     __slots__ = ("model", "input_height", "input_width", "layers", "gradient_bytes_per_image", "max_message_bytes")
@@ -338,14 +363,16 @@ class AttributeRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[AttributionSpec, _Mapping]] = ..., image: _Optional[_Union[AttributeImage, _Mapping]] = ...) -> None: ...
 
 class ClassScore(_message.Message):
-    __slots__ = ("class_index", "logit", "probability")
+    __slots__ = ("class_index", "logit", "probability", "label")
     CLASS_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGIT_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
     class_index: int
     logit: float
     probability: float
-    def __init__(self, class_index: _Optional[int] = ..., logit: _Optional[float] = ..., probability: _Optional[float] = ...) -> None: ...
+    label: str
+    def __init__(self, class_index: _Optional[int] = ..., logit: _Optional[float] = ..., probability: _Optional[float] = ..., label: _Optional[str] = ...) -> None: ...
 
 class AttributionTarget(_message.Message):
     __slots__ = ("target", "map_min", "map_max", "completeness_delta")

@@ -13,19 +13,32 @@ each layer marked `cached` when it was not computed for this image.
 A computation that fails hands its error to the images that waited on it when the
 error is the image's own (INVALID_ARGUMENT: the same bytes fail the same way);
 otherwise (its call was cancelled, out of time or out of room) they start over on a
-helper thread, so one caller's cancel never fails another's image.
+few helper threads, so one caller's cancel never fails another's image; an image whose
+computations failed that way MAX_RESTARTS times gets UNAVAILABLE (retry).
+
+A wait is the waiting call's own: when that call is cancelled or its deadline passes,
+its image fails at once with CANCELLED or DEADLINE_EXCEEDED (the computation it waited
+on goes on for the others), so a waiter never holds its stream, its thread or its
+reserved bytes for longer than its own call allows.
+
+What the cache keeps is a copy of the answer in ordinary memory, never a view of a
+batch's (possibly pinned) buffer: an entry holds and counts exactly its own bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..errors import HookserveError, InternalError
-from ..spec import ImageInput, LayerOutput
+from ..errors import Cancelled, DeadlineExceeded, HookserveError, InternalError, Unavailable
+from ..spec import DType, ImageInput, LayerOutput
 from ..telemetry import Telemetry
 from . import key as keys
 from .local import HIT, LEAD, LocalCache
@@ -34,6 +47,8 @@ log = logging.getLogger("hookserve.cache")
 
 #: Times an image starts over after computations it waited on failed for their caller.
 MAX_RESTARTS = 3
+#: Threads that start images over (each may wait for admission, up to --queue-wait).
+RESTART_THREADS = 4
 
 #: compute(spec, fut): the engine's own path for an image with `spec`.
 Compute = Callable[[object, Future], None]
@@ -43,19 +58,35 @@ def marked(value: LayerOutput) -> LayerOutput:
     return value if value.cached else dataclasses.replace(value, cached=True)
 
 
+def owned(value: LayerOutput) -> LayerOutput:
+    """`value` with its bytes copied into memory of their own (not a batch's buffer)."""
+    return dataclasses.replace(value, data=memoryview(bytes(value.data)))
+
+
+def exhausted_error() -> Unavailable:
+    return Unavailable(f"the computation of this image, shared with other calls, failed "
+                       f"{MAX_RESTARTS + 1} times for those calls' reasons (cancelled or "
+                       "out of time): retry the image")
+
+
 class AnswerCache:
     """The local tier, and the shared one when configured (cache/shared.py)."""
 
-    def __init__(self, local: LocalCache, shared=None, telemetry: Telemetry | None = None
-                 ) -> None:
+    def __init__(self, local: LocalCache, shared=None, telemetry: Telemetry | None = None,
+                 gpu_decode: bool = False) -> None:
         self.local = local
         self.shared = shared
         self.telemetry = telemetry or Telemetry()
-        self._restarts = ThreadPoolExecutor(1, thread_name_prefix="hookserve-cache")
+        #: --gpu-decode: JPEGs decoded on a CUDA model's device are other answers
+        self.gpu_decode = gpu_decode
+        self._restarts = ThreadPoolExecutor(RESTART_THREADS,
+                                            thread_name_prefix="hookserve-cache")
+        self.deadlines = _Deadlines()
 
     @property
     def capacity(self) -> int:
-        return self.local.capacity
+        """Bytes the cache may hold: the local tier and the shared tier's write queue."""
+        return self.local.capacity + (0 if self.shared is None else self.shared.queue_bytes)
 
     def _count(self, tier: str, event: str, n: int) -> None:
         if n:
@@ -63,18 +94,22 @@ class AnswerCache:
 
     def close(self) -> None:
         self._restarts.shutdown(wait=False)
+        self.deadlines.close()
         if self.shared is not None:
             self.shared.close()
 
     # -- keys ----------------------------------------------------------------------------
+    def unit_keys(self, spec, image: ImageInput) -> list[bytes]:
+        """One key per unit of the answer, in the answer's order (the spec's job says
+        what a unit is: `Job.cache_keys`)."""
+        state = keys.base(keys.image_digest(image), spec.model, spec.preprocess,
+                          self.gpu_decode)
+        return spec.job.cache_keys(state, image)
+
     @staticmethod
-    def unit_keys(spec, image: ImageInput) -> list[bytes]:
-        """One key per unit of the answer, in the answer's order."""
-        state = keys.base(keys.image_digest(image), spec.model, spec.preprocess)
-        attribution = getattr(spec, "attribution", None)
-        if attribution is not None:
-            return [keys.attribution_key(state, attribution, spec.task_for(image).target)]
-        return [keys.layer_key(state, layer) for layer in spec.layers]
+    def expected(spec) -> list[tuple[str | None, DType]]:
+        """(name, dtype) of each unit's value, in the answer's order (None: any name)."""
+        return spec.job.unit_types()
 
     # -- the seam ------------------------------------------------------------------------
     def submit(self, spec, image: ImageInput, call, fut: Future, compute: Compute,
@@ -99,7 +134,9 @@ class AnswerCache:
         self._count("local", "hit", hits)
         self._count("local", "coalesced", waits)
         if lead and self.shared is not None:
-            found = self.shared.get_many([unit_keys[i] for i in lead])
+            expect = self.expected(spec)
+            found = self.shared.get_many([unit_keys[i] for i in lead],
+                                         [expect[i] for i in lead])
             for i in [i for i in lead if unit_keys[i] in found]:
                 value = found[unit_keys[i]]
                 self.local.finish(unit_keys[i], value)
@@ -116,15 +153,15 @@ class AnswerCache:
     def _compute(self, spec, call, unit_keys: list[bytes], lead: list[int], parts: list,
                  compute: Compute) -> None:
         """Compute the units in `lead`; their flights (in `parts`) end with the answer."""
-        if getattr(spec, "attribution", None) is None:
-            spec = dataclasses.replace(spec, layers=tuple(spec.layers[i] for i in lead))
+        if len(lead) < len(unit_keys):
+            spec = dataclasses.replace(spec, job=spec.job.only(lead))
         inner: Future = Future()
 
         def done(f: Future) -> None:
             error = f.exception()
             values = None if error is not None else f.result()
             for n, i in enumerate(lead):
-                value = None if values is None else values[n]
+                value = None if values is None else owned(values[n])
                 self.local.finish(unit_keys[i], value, error)
                 if value is not None and self.shared is not None:
                     self.shared.put(unit_keys[i], value)
@@ -142,13 +179,17 @@ class AnswerCache:
 
 
 class _Gather:
-    """One image's answer from its units' values and Futures."""
+    """One image's answer from its units' values and Futures.
+
+    While it waits on other calls' computations, its own call's cancel and deadline end
+    it (`give_up`); the first of finishing and giving up sets the image's Future."""
 
     def __init__(self, cache: AnswerCache, args: tuple, parts: list, lead: set[int],
                  restarts: int) -> None:
         self.cache = cache
-        #: (spec, image, call, fut, compute), as AnswerCache.submit got them
-        self.args = args
+        #: (spec, image, call, fut, compute), as AnswerCache.submit got them; None once
+        #: the image's Future was set
+        self.args: tuple | None = args
         self.parts = parts
         #: the units this image computes itself (their errors are its own)
         self.lead = lead
@@ -160,9 +201,35 @@ class _Gather:
         if self._left == 0:
             self._finish()
             return
+        call = self.args[2]
+        if len(self.lead) < self._left:  # it waits on another call's computation
+            call.on_cancel(self.cancelled)
+            if call.deadline is not None:
+                self.cache.deadlines.add(call.deadline, self)
         for p in list(self.parts):
             if isinstance(p, Future):
                 p.add_done_callback(self._one_done)
+
+    def _end(self) -> tuple | None:
+        """Take the arguments (the right to set the image's Future): once only."""
+        with self._lock:
+            args, self.args = self.args, None
+        if args is not None:
+            args[2].forget(self.cancelled)
+        return args
+
+    def cancelled(self) -> None:
+        self.give_up(Cancelled("the call was cancelled"))
+
+    def expired(self) -> None:
+        self.give_up(DeadlineExceeded(
+            "the call's deadline passed while its image waited for the same answer being "
+            "computed for another call: allow more time"))
+
+    def give_up(self, error: BaseException) -> None:
+        args = self._end()
+        if args is not None and not args[3].done():
+            args[3].set_exception(error)
 
     def _one_done(self, _f: Future) -> None:
         with self._lock:
@@ -172,7 +239,10 @@ class _Gather:
             self._finish()
 
     def _finish(self) -> None:
-        fut = self.args[3]
+        args = self._end()
+        if args is None:  # the call gave up already
+            return
+        fut = args[3]
         values = []
         for i, p in enumerate(self.parts):
             if not isinstance(p, Future):
@@ -182,20 +252,24 @@ class _Gather:
             if error is not None:
                 if isinstance(error, HookserveError):
                     error = error.detached()  # one copy per image: it is raised apart
-                self._failed(error, own=i in self.lead)
+                self._failed(args, error, own=i in self.lead)
                 return
             values.append(p.result() if i in self.lead else marked(p.result()))
         if not fut.done():
             fut.set_result(values)
 
-    def _failed(self, error: BaseException, own: bool) -> None:
+    def _failed(self, args: tuple, error: BaseException, own: bool) -> None:
         """A unit failed: its error is this image's if the image computed it, or if it
         is about the bytes themselves; else the image starts over."""
-        spec, image, call, fut, compute = self.args
+        spec, image, call, fut, compute = args
         about_bytes = isinstance(error, HookserveError) and error.code == "INVALID_ARGUMENT"
-        if own or about_bytes or call.cancelled or self.restarts >= MAX_RESTARTS:
+        if own or about_bytes or call.cancelled or call.expired():
             if not fut.done():
                 fut.set_exception(error)
+            return
+        if self.restarts >= MAX_RESTARTS:
+            if not fut.done():
+                fut.set_exception(exhausted_error())
             return
 
         def again() -> None:
@@ -213,4 +287,48 @@ class _Gather:
             self.cache._restarts.submit(again)
         except RuntimeError:  # shut down
             if not fut.done():
-                fut.set_exception(error)
+                fut.set_exception(Unavailable("server is shutting down: retry the image "
+                                              "on another replica"))
+
+
+class _Deadlines:
+    """One thread that gives up waits whose call's deadline passed (held weakly: a
+    wait that ended is not kept alive by its deadline)."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, deadline: float, gather: _Gather) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            heapq.heappush(self._heap, (deadline, next(self._seq), weakref.ref(gather)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="hookserve-cache-deadlines")
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (
+                        not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cond.wait(None if not self._heap
+                                    else self._heap[0][0] - time.monotonic())
+                if self._closed:
+                    return
+                _, _, ref = heapq.heappop(self._heap)
+            gather = ref()
+            if gather is not None:
+                gather.expired()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._heap.clear()
+            self._cond.notify()

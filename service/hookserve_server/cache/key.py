@@ -6,8 +6,10 @@ Attribute. A key is the digest of, in order:
 
 - a format tag (a change of layout never reads an old value);
 - the image's own bytes (encoded, or raw pixels with their height and width);
-- what computes: architecture, weights digest (sha256 of the state dict), dtype,
-  precision (`--precision`), memory format, device type, torch version;
+- what computes: architecture, weights digest (sha256 of the state dict), the class
+  names (an Attribute answer's top 5 carries them), dtype, precision (`--precision`),
+  memory format, device type; the versions of hookserve, torch, torchvision and
+  Pillow; whether JPEGs are decoded on the model's GPU (``--gpu-decode``);
 - the resolved preprocessing: the resize and crop the geometry rule gives for the
   requested mode, and the model's mean, std and interpolation;
 - the answer's own spec: the layer, reduction, dtype and L2 flag (Extract), or every
@@ -20,15 +22,22 @@ from __future__ import annotations
 
 import hashlib
 
+import PIL
 import torch
+import torchvision
 
+from .. import __version__
 from ..attribution_spec import AttributionSpec
 from ..models import ServedModel
 from ..preprocess.geometry import geometry_params
 from ..spec import ImageInput, LayerSpec, Preprocess
 
 #: Bumped whenever the layout below or the encoded value changes.
-FORMAT = b"hookserve-cache-v1"
+FORMAT = b"hookserve-cache-v3"
+
+#: The code that decodes, preprocesses and computes: another version may answer
+#: differently.
+VERSIONS = (__version__, torch.__version__, torchvision.__version__, PIL.__version__)
 
 
 def _field(h, *parts: object) -> None:
@@ -49,10 +58,11 @@ def image_digest(image: ImageInput) -> bytes:
     return h.digest()
 
 
-def model_part(m: ServedModel) -> tuple:
+def model_part(m: ServedModel, gpu_decode: bool = False) -> tuple:
     """What computes the answer: a different entry means a different key."""
-    return (m.arch, m.weights.digest, m.dtype.name, m.precision.value, m.channels_last,
-            m.device.type, torch.__version__)
+    labels = hashlib.sha256("\n".join(m.labels).encode()).digest()
+    return (m.arch, m.weights.digest, labels, m.dtype.name, m.precision.value,
+            m.channels_last, m.device.type, *VERSIONS, gpu_decode and m.device.type == "cuda")
 
 
 def preprocess_part(m: ServedModel, pre: Preprocess) -> tuple:
@@ -62,11 +72,11 @@ def preprocess_part(m: ServedModel, pre: Preprocess) -> tuple:
     return (resize, crop, tuple(d.mean), tuple(d.std), d.interpolation)
 
 
-def base(image: bytes, m: ServedModel, pre: Preprocess):
+def base(image: bytes, m: ServedModel, pre: Preprocess, gpu_decode: bool = False):
     """The hash state shared by every answer of one image under one model and
     preprocessing; each answer's key continues a copy of it."""
     h = hashlib.sha256(FORMAT)
-    _field(h, image, *model_part(m), *preprocess_part(m, pre))
+    _field(h, image, *model_part(m, gpu_decode), *preprocess_part(m, pre))
     return h
 
 

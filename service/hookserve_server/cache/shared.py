@@ -5,21 +5,30 @@ Values are encoded answers (a JSON header and the tensor's bytes) under
 only when at most ``--cache-max-value-bytes``. TLS (``rediss://``) and auth
 (``redis://user:password@host``) come in the URL, as redis-py reads it.
 
-Redis never fails or delays a request beyond ``--cache-timeout-ms``: every command
-runs with that socket timeout and no retries, a lookup that fails is a miss (counted
-as the tier's ``error`` event), and after a failure lookups are skipped (also misses)
-for a second, so a Redis that is down costs one timeout a second, not one per image.
-Writes go through one background thread and a bounded queue (a full queue drops the
-write), with a socket timeout of at least a second.
+A lookup never delays a request beyond ``--cache-timeout-ms`` overall (name lookup,
+connecting and the reply together): it runs on a small pool of lookup threads and the
+request waits for it that long at most; a lookup that fails or is late is a miss
+(counted as the tier's ``error`` event), and after a failure lookups are skipped (also
+misses) for a second, so a Redis that is down costs one timeout a second, not one per
+image. When every lookup thread is still stuck on Redis, a lookup is skipped.
+
+Writes go through one background thread and a queue of encoded values bounded by bytes
+(WRITE_QUEUE_BYTES, counted in ``--max-buffer-bytes``); a write that does not fit is
+dropped and counted (``dropped``). Writes run with a socket timeout of at least a
+second. Values read back are checked (name, dtype, size) before use: one that does not
+match is a miss and an ``error``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..attribution_spec import AttributionOutput, ClassScore, TargetResult
 from ..spec import DType, LayerOutput
@@ -32,8 +41,11 @@ log = logging.getLogger("hookserve.cache")
 BACKOFF_S = 1.0
 #: The socket timeout of writes (on the writer thread).
 WRITE_TIMEOUT_S = 1.0
-#: Writes waiting for the writer thread; more are dropped.
-WRITE_QUEUE = 256
+#: Encoded bytes waiting for the writer thread; a write that does not fit is dropped.
+WRITE_QUEUE_BYTES = 32 << 20
+#: Lookups that may run at once (each at most --cache-timeout-ms once Redis answers).
+LOOKUP_THREADS = 4
+ITEMSIZE = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
 PREFIX = b"hookserve:" + FORMAT.rsplit(b"-", 1)[-1] + b":"
 
 
@@ -57,12 +69,25 @@ def decode(blob: bytes) -> LayerOutput:
         return LayerOutput(**fields)
     return AttributionOutput(
         **fields, top5=tuple(ClassScore(*s) for s in head["top5"]),
-        targets=tuple(TargetResult(ClassScore(*t[:3]), t[3], t[4], t[5])
-                      for t in head["targets"]))
+        targets=tuple(TargetResult(ClassScore(*t[:-3]), *t[-3:]) for t in head["targets"]))
+
+
+def write_queue_bytes(max_value_bytes: int) -> int:
+    """The write queue's bound: WRITE_QUEUE_BYTES, or one largest value if more."""
+    return max(WRITE_QUEUE_BYTES, max_value_bytes)
+
+
+def valid(value: LayerOutput, name: str | None, dtype: DType, max_bytes: int) -> bool:
+    """Whether a value read back is one this key can hold: its name and dtype, and as
+    many bytes as its shape says, under the size cap."""
+    return ((name is None or value.name == name) and value.dtype == dtype
+            and all(isinstance(d, int) and d >= 0 for d in value.shape)
+            and len(value.data) == math.prod(value.shape) * ITEMSIZE[dtype]
+            and len(value.data) <= max_bytes)
 
 
 def _score(s: ClassScore) -> list:
-    return [s.class_index, s.logit, s.probability]
+    return [s.class_index, s.logit, s.probability, s.label]
 
 
 class SharedCache:
@@ -72,7 +97,9 @@ class SharedCache:
 
         self.ttl_s = ttl_s
         self.max_value_bytes = max_value_bytes
+        self.timeout_s = timeout_s
         self.telemetry = telemetry or Telemetry()
+
         def connect(timeout: float):
             return redis.Redis.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout,
@@ -82,50 +109,94 @@ class SharedCache:
         #: writes delay no request: they may take longer
         self._redis_writes = connect(max(WRITE_TIMEOUT_S, timeout_s))
         self._down_until = 0.0
-        #: lookups and writes that failed or were skipped (the tier's `error` events)
+        #: lookups and writes that failed, were late, skipped or invalid (`error` events)
         self.errors = 0
-        self._writes: queue.Queue = queue.Queue(WRITE_QUEUE)
+        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS,
+                                           thread_name_prefix="hookserve-cache-get")
+        self._busy = 0  # lookups running or queued on the pool
+        self._lock = threading.Lock()
+        #: the write queue's bound, counted in --max-buffer-bytes (cache/front.py)
+        self.queue_bytes = write_queue_bytes(max_value_bytes)
+        self._queued = 0  # encoded bytes in the write queue
+        self._writes: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="hookserve-cache-put",
                                         daemon=True)
         self._writer.start()
 
-    def _failed(self, what: str, exc: Exception | None, n: int) -> None:
+    def _failed(self, what: str, exc: BaseException | None, n: int) -> None:
         self.errors += n
         self.telemetry.cache_event("shared", "error", n)
         if exc is not None:
             if time.monotonic() >= self._down_until:
                 log.warning("answer cache: Redis %s failed (%s); treated as misses, "
-                            "retried in %.0fs", what, exc, BACKOFF_S)
+                            "retried in %.0fs", what, exc or "timed out", BACKOFF_S)
             self._down_until = time.monotonic() + BACKOFF_S
 
-    def get_many(self, keys: list[bytes]) -> dict[bytes, LayerOutput]:
-        """The values Redis holds for `keys`; {} when it cannot answer in time."""
-        if time.monotonic() < self._down_until:
+    def get_many(self, keys: list[bytes], expect: list[tuple[str | None, DType]]
+                 ) -> dict[bytes, LayerOutput]:
+        """The values Redis holds for `keys` (each checked against its (name, dtype) in
+        `expect`); {} when it cannot answer within the timeout."""
+        with self._lock:
+            skip = time.monotonic() < self._down_until or self._busy >= LOOKUP_THREADS
+            if not skip:
+                self._busy += 1
+        if skip:
             self._failed("lookup", None, len(keys))
             return {}
         try:
-            blobs = self._redis.mget([PREFIX + k.hex().encode() for k in keys])
+            job = self._lookups.submit(self._mget, keys)
+        except RuntimeError:  # closed
+            self._done_lookup(None)
+            return {}
+        job.add_done_callback(self._done_lookup)
+        try:
+            blobs = job.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._failed("lookup", TimeoutError("no answer in time"), len(keys))
+            return {}
         except Exception as exc:  # any failure of Redis is a miss
             self._failed("lookup", exc, len(keys))
             return {}
         out = {}
-        for k, blob in zip(keys, blobs, strict=True):
+        for k, (name, dtype), blob in zip(keys, expect, blobs, strict=True):
             if blob is None:
                 continue
             try:
-                out[k] = decode(blob)
-            except Exception:  # a value that is not ours (or torn): a miss
-                log.warning("answer cache: an unreadable value in Redis was ignored")
+                value = decode(blob)
+                ok = valid(value, name, dtype, self.max_value_bytes)
+            except Exception:  # torn, or not ours
+                ok = False
+            if ok:
+                out[k] = value
+            else:
+                log.warning("answer cache: a value in Redis that does not match its key "
+                            "was ignored")
+                self._failed("value", None, 1)
         return out
 
+    def _mget(self, keys: list[bytes]) -> list:
+        return self._redis.mget([PREFIX + k.hex().encode() for k in keys])
+
+    def _done_lookup(self, _job) -> None:
+        with self._lock:
+            self._busy -= 1
+
     def put(self, key: bytes, value: LayerOutput) -> None:
-        """Write in the background (dropped when the queue is full)."""
+        """Write in the background: encoded now, dropped (and counted) when it does not
+        fit the write queue's bytes, or not at all when over --cache-max-value-bytes."""
         if value.nbytes > self.max_value_bytes:
             return
-        try:
-            self._writes.put_nowait((key, value))
-        except queue.Full:
+        blob = encode(value)
+        if len(blob) > self.max_value_bytes:
+            return
+        with self._lock:
+            fits = self._queued + len(blob) <= self.queue_bytes
+            if fits:
+                self._queued += len(blob)
+        if not fits:
             self.telemetry.cache_event("shared", "dropped")
+            return
+        self._writes.put((key, blob))
 
     def _write_loop(self) -> None:
         while True:
@@ -134,16 +205,18 @@ class SharedCache:
                 if item is None:
                     return
                 self._write(*item)
+            except Exception:  # a bug: the writer goes on with the next value
+                log.exception("answer cache: writing to Redis failed")
             finally:
+                if item is not None:
+                    with self._lock:
+                        self._queued -= len(item[1])
                 item = None
                 self._writes.task_done()
 
-    def _write(self, key: bytes, value: LayerOutput) -> None:
+    def _write(self, key: bytes, blob: bytes) -> None:
         if time.monotonic() < self._down_until:
             self._failed("write", None, 1)
-            return
-        blob = encode(value)
-        if len(blob) > self.max_value_bytes:
             return
         try:
             self._redis_writes.set(PREFIX + key.hex().encode(), blob, ex=self.ttl_s)
@@ -151,16 +224,21 @@ class SharedCache:
         except Exception as exc:
             self._failed("write", exc, 1)
 
+    @property
+    def queued_bytes(self) -> int:
+        """Encoded bytes waiting in the write queue now."""
+        return self._queued
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until the writes queued so far are done (tests, shutdown)."""
         done = self._writes.all_tasks_done
         with done:
             return done.wait_for(lambda: not self._writes.unfinished_tasks, timeout)
 
-    def close(self) -> None:
-        try:
-            self._writes.put_nowait(None)
-        except queue.Full:
-            pass
+    def close(self, timeout: float = 2.0) -> None:
+        """Write what is queued (for `timeout` at most), then stop the threads."""
+        self._writes.put(None)
+        self._writer.join(timeout)
+        self._lookups.shutdown(wait=False)
         self._redis.close()
         self._redis_writes.close()

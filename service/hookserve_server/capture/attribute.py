@@ -20,6 +20,7 @@ so a map does not depend on how its work is cut into passes beyond float roundin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attribution_spec import AttributionSpec, Baseline, ClassScore, Method, Score, TargetResult
-from .gradients import Tap
+from .tap import Tap
 
 #: How many classes the answer's top list holds.
 TOP = 5
@@ -71,9 +72,12 @@ class AttributionJob:
 
     def __init__(self, model: nn.Module, x: torch.Tensor, spec: AttributionSpec,
                  explicit: list[int | None], plan: PassPlan, *, tap: Tap | None = None,
-                 black: torch.Tensor | None = None) -> None:
+                 black: torch.Tensor | None = None,
+                 grid: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model, self.x, self.spec, self.explicit = model, x, spec, explicit
         self.tap, self._black = tap, black
+        #: the tapped layer's batch as [N, C, h, w] (layouts.to_grid); None: it is
+        self._grid = grid
         self.n = x.shape[0]
         self.k = spec.targets_per_image
         self.plan = plan
@@ -106,7 +110,8 @@ class AttributionJob:
     def restart(self, rows: int) -> None:
         """Start over with `rows` rows a pass (after running out of memory)."""
         self.__init__(self.model, self.x, self.spec, self.explicit,
-                      PassPlan(rows, self.plan.slots), tap=self.tap, black=self._black)
+                      PassPlan(rows, self.plan.slots), tap=self.tap, black=self._black,
+                      grid=self._grid)
 
     # -- the schedule ----------------------------------------------------------------------
     @property
@@ -219,11 +224,12 @@ class AttributionJob:
         slots = torch.stack([self.targets[i][lo:hi] for _, i in rows])
         scores = s.gather(1, slots)
         del logits, s
-        act = leaf.detach().float() if cam else None
+        grid = self._grid or (lambda t: t)
+        act = grid(leaf.detach().float()) if cam else None
         for j in range(hi - lo):
             (g,) = torch.autograd.grad(scores[:, j].sum(), leaf, retain_graph=j < hi - lo - 1)
             if cam:
-                g = _cam(self.spec.method, act, g.float())
+                g = _cam(self.spec.method, act, grid(g.float()))
             self._accumulate(rows, lo + j, g)
             del g
         if self._ig:

@@ -8,15 +8,18 @@ batches share nothing. The last hook to fire stops the pass: later layers never 
 from __future__ import annotations
 
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InternalError
-from ..models import ServedModel
 from ..precision import autocast
 from ..spec import LayerSpec
 from .plan import CapturePlan, Kind
 from .reduce import reduce
+
+if TYPE_CHECKING:  # a type only: models build on capture's table, not back
+    from ..models import ServedModel
 
 
 class _StopForward(Exception):

@@ -12,10 +12,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..models import ServedModel
 from ..spec import LayerSpec
 from .table import split_input_name
+
+if TYPE_CHECKING:  # a type only: models build on capture's table, not back
+    from ..models import ServedModel
 
 
 class Kind(enum.Enum):

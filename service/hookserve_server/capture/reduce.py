@@ -1,8 +1,10 @@
-"""The one table of reductions and dtypes: what each does, and the shape it gives.
+"""The one table of reductions and the one of dtypes: what each reduction does, the
+shape it gives and its columns' names; each dtype's torch type.
 
-Adding a reduction is one entry in ``REDUCTIONS`` plus its value in
-``hookserve.v1.Reduction`` and :class:`~hookserve_server.spec.Reduction`;
-tests/test_contract.py checks that the three agree.
+Adding a reduction is its value in ``hookserve.v1.Reduction``, the member with that
+number in :class:`~hookserve_server.spec.Reduction`, and one entry in ``REDUCTIONS``
+(its function on a batch tensor and its shape rule, which the limits use);
+tests/test_value_lists.py checks that the three agree.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from math import prod
 import torch
 
 from ..errors import InternalError
+from ..layouts import channels_first, channels_first_shape
 from ..spec import DType, LayerSpec, Reduction
 
 
@@ -25,6 +28,9 @@ class ReductionRule:
     shape: Callable[[tuple[int, ...]], tuple[int, ...]]
     #: Names of the last dimension's entries, sent with the tensor (empty: unnamed).
     columns: tuple[str, ...] = ()
+    #: Applied with the channels (features) first, whatever the layer's layout: it
+    #: reduces over the spatial or token axis (layouts.channels_first).
+    channels_first: bool = False
 
 
 def _spatial(t: torch.Tensor) -> tuple[int, ...]:
@@ -53,12 +59,14 @@ REDUCTIONS: dict[Reduction, ReductionRule] = {
     Reduction.NONE: ReductionRule(apply=lambda t: t, shape=tuple),
     Reduction.AVG: ReductionRule(
         apply=_pool(lambda t, dims: t.mean(dim=dims, dtype=torch.float32)),
-        shape=lambda s: (s[0],)),
+        shape=lambda s: (s[0],), channels_first=True),
     Reduction.MAX: ReductionRule(apply=_pool(lambda t, dims: t.amax(dim=dims)),
-                                 shape=lambda s: (s[0],)),
+                                 shape=lambda s: (s[0],), channels_first=True),
     Reduction.FLATTEN: ReductionRule(apply=lambda t: t.flatten(1), shape=lambda s: (prod(s),)),
     Reduction.STATS: ReductionRule(apply=_stats, shape=lambda s: (s[0] if len(s) > 1 else 1, 5),
-                                   columns=STATS_COLUMNS),
+                                   columns=STATS_COLUMNS, channels_first=True),
+    # token 0 of a [N, T, D] batch (the engine allows it on TD layers only)
+    Reduction.CLS: ReductionRule(apply=lambda t: t[:, 0], shape=lambda s: (s[-1],)),
 }
 
 #: The torch dtype of each wire dtype.
@@ -72,7 +80,10 @@ DTYPE_OF_TORCH: dict[torch.dtype, DType] = {v: k for k, v in DTYPES.items()}
 
 def reduced_shape(spec: LayerSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Per-image shape after the reduction, given the layer's per-image shape."""
-    return tuple(REDUCTIONS[spec.reduction].shape(tuple(shape)))
+    rule = REDUCTIONS[spec.reduction]
+    if rule.channels_first:
+        shape = channels_first_shape(tuple(shape), spec.layout)
+    return tuple(rule.shape(tuple(shape)))
 
 
 def reduced_bytes(spec: LayerSpec, shape: tuple[int, ...]) -> int:
@@ -88,7 +99,8 @@ def reduce(out: torch.Tensor, spec: LayerSpec, *, may_alias: bool) -> torch.Tens
     """
     if not isinstance(out, torch.Tensor):
         raise InternalError(f"layer {spec.name} does not output a tensor")
-    t = REDUCTIONS[spec.reduction].apply(out)
+    rule = REDUCTIONS[spec.reduction]
+    t = rule.apply(channels_first(out, spec.layout) if rule.channels_first else out)
     if spec.l2_normalize:
         t = t.float()
         norm = t.flatten(1).norm(dim=1).clamp_min(1e-12)

@@ -16,10 +16,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-import torchvision
 
+from ..architectures import build_meta
 from ..errors import InvalidArgument
-from ..spec import DType
+from ..layouts import layout_of
+from ..spec import DType, Layout
 from .reduce import DTYPE_OF_TORCH
 
 #: Input sizes whose table is kept per model.
@@ -38,6 +39,9 @@ class LayerInfo:
     #: The module's first positional input, per image; () when it is not a tensor.
     input_shape: tuple[int, ...] = ()
     input_bytes: int = 0
+    #: How `shape` and `input_shape` are laid out (layouts.py).
+    layout: Layout = Layout.CHW
+    input_layout: Layout = Layout.UNSPECIFIED
 
 
 #: Suffix that names a module's input instead of its output ("layer3:input").
@@ -59,7 +63,7 @@ def entry(table: dict[str, LayerInfo], name: str) -> LayerInfo:
     if not on_input:
         return li
     return dataclasses.replace(li, name=name, shape=li.input_shape,
-                               bytes_per_image=li.input_bytes)
+                               bytes_per_image=li.input_bytes, layout=li.input_layout)
 
 
 def layer_names(table: dict[str, LayerInfo]) -> dict[str, tuple[str, int]]:
@@ -78,11 +82,11 @@ def call_index(name: str, module: str) -> int:
 class LayerTables:
     """Layer tables of one architecture, built on a meta-device copy of it."""
 
-    def __init__(self, model_name: str, arch: str, dtype: torch.dtype) -> None:
+    def __init__(self, model_name: str, arch: str, dtype: torch.dtype,
+                 num_classes: int | None = None) -> None:
         self.model_name = model_name
         self.dtype = dtype
-        with torch.device("meta"):
-            self._meta = torchvision.models.get_model(arch, weights=None)
+        self._meta = build_meta(arch, num_classes)
         self._meta.eval().requires_grad_(False).to(dtype=dtype)
         self._lock = threading.Lock()
         self._tables: OrderedDict[tuple[int, int], dict[str, LayerInfo]] = OrderedDict()
@@ -141,7 +145,10 @@ class LayerTables:
             in_shape, in_bytes = _per_image(inputs[name]) if name in inputs else ((), 0)
             table[name] = LayerInfo(name, path, typ, shape,
                                     DTYPE_OF_TORCH.get(out.dtype, DType.FLOAT32),
-                                    nbytes, order, in_shape, in_bytes)
+                                    nbytes, order, in_shape, in_bytes,
+                                    layout_of(shape, height, width),
+                                    layout_of(in_shape, height, width) if in_shape
+                                    else Layout.UNSPECIFIED)
         return table
 
 

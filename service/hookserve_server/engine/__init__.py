@@ -3,8 +3,8 @@
 torch only, never grpc: the servicer adapts protobuf to these objects.
 """
 
+from .config import EngineConfig
 from .core import Engine
 from .session import Session
-from .types import EngineConfig
 
 __all__ = ["Engine", "EngineConfig", "Session"]

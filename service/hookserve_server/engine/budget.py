@@ -1,13 +1,14 @@
 """Answer-byte budgets: every answer's bytes are reserved before it is computed.
 
-Two budgets hold the answers computed and not yet sent: one per stream
-(--max-stream-buffer-bytes) and one across all streams (--max-buffer-bytes). An
+Two budgets hold the answers computed and not yet sent: one per call
+(--max-stream-buffer-bytes) and one across all calls (--max-buffer-bytes). An
 image's answer size is known before its pixels are decoded (from the spec, or from
-the header and the layer table), so a stream's reader reserves it first, and waits,
-without reading further requests, while either budget is full: a client that does
-not read its answers stops its own stream (backpressure), and no set of streams can
-pin more than the global budget. An answer bigger than a whole budget could never
-fit: it gets RESOURCE_EXHAUSTED with no retry hint, and the stream goes on.
+the header and the layer table: `Job.sizes`), so a call's reader (ExtractImage: its
+handler thread) reserves it first, and waits, without reading further requests,
+while either budget is full: a client that does not read its answers stops its own
+stream (backpressure), and no set of streams can pin more than the global budget. An
+answer bigger than a whole budget could never fit: it gets RESOURCE_EXHAUSTED with no
+retry hint, and the stream goes on.
 
 A Reservation is released exactly once: when the answer has been handed to the
 transport, or when its call ends without sending it.

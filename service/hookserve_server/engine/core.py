@@ -4,15 +4,17 @@ the device workers. It never imports grpc.
 
 Data flow for one image::
 
-    Session reader thread --resolve, plan (header: sizes, limits), reserve answer
-        bytes (budget), admit--> Preparer pool (decode, geometry)
-        --> BatchQueue of the model's device --> DeviceWorker thread (stacks a batch,
-        normalises on the device, forward pass with hooks, early stop)
+    Session reader thread (ExtractImage: the handler thread) --resolve, plan (header:
+        sizes, limits), reserve answer bytes (budget), admit--> Preparer pool (decode,
+        geometry) --> BatchQueue of the model's device --> DeviceWorker thread: the
+        image's job runs the batch (Extract: stack, normalise on the device, forward
+        pass with hooks, early stop; Attribute: pass by pass)
         --> completer thread --> Future per image --> Session output, in send order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import threading
@@ -20,23 +22,26 @@ import time
 import weakref
 from concurrent.futures import Future
 
+from ..allocator import MemoryReturn
 from ..attribution_spec import AttributionSpec
 from ..cache.front import AnswerCache
-from ..capture.table import INPUT_SUFFIX, LayerInfo
+from ..capture.table import INPUT_SUFFIX, LayerInfo, entry, split_input_name
 from ..errors import InvalidArgument, ModelNotFound
 from ..models import ServedModel
 from ..preprocess.geometry import fixed_input_size, validate_preprocess
-from ..spec import ExtractionSpec, ImageInput, LayerSpec, Mode, Preprocess
+from ..spec import ExtractionSpec, ImageInput, LayerSpec, Layout, Mode, Preprocess, Reduction
 from ..telemetry import Telemetry
 from .admission import Admission
-from .attribute import gradient_bytes, resolve_attribution
+from .attribute import resolve_attribution
+from .attribute_memory import gradient_bytes
 from .budget import Budget
 from .compiled import CompiledGraphs, CompileSettings
+from .config import EngineConfig
+from .extract import ExtractJob
 from .limits import Limits
-from .memory import MemoryReturn
 from .prepare import ImagePlan, Preparer
 from .session import Session
-from .types import CallState, EngineConfig, ResolvedSpec
+from .types import CallState, ResolvedSpec
 from .worker import DeviceWorker
 
 log = logging.getLogger("hookserve.engine")
@@ -64,7 +69,7 @@ class Engine:
         #: cache's bytes come out of --max-buffer-bytes too
         held = cache.capacity if cache is not None else 0
         self.budget = Budget(self.config.max_buffer_bytes - held, "--max-buffer-bytes"
-                             + (" less --cache-bytes" if held else ""))
+                             + (" less the answer cache" if held else ""))
         #: returns freed answer memory to the OS once work stops
         self.memory = MemoryReturn(busy=lambda: self._admission.admitted > 0)
         #: set by start_drain(): open streams stop taking new images
@@ -120,7 +125,7 @@ class Engine:
             img = ImageInput("warmup", raw=bytes(3), height=1, width=1)
             cache, self.cache = self.cache, None  # warm the model, not the cache
             try:
-                for r in Session(self).run([spec, img]):
+                for r in self.session().run([spec, img]):
                     if r.error:
                         raise r.error
             finally:
@@ -183,7 +188,7 @@ class Engine:
 
     @property
     def attribution_jobs(self) -> tuple[int, int]:
-        """Attribute jobs (batches) started so far, and those running now."""
+        """Attribute batches (`AttributeRun`s) started so far, and those running now."""
         return (sum(w.jobs_started for w in self._workers.values()),
                 sum(w.jobs for w in self._workers.values()))
 
@@ -218,7 +223,7 @@ class Engine:
         if isinstance(spec, AttributionSpec):
             if spec.layer:
                 self._check_layer(m, spec.layer)
-            return resolve_attribution(self.limits, self.config.max_attribution_cost, m, spec)
+            return resolve_attribution(self.limits, self.config, m, spec)
         if not spec.layers:
             raise InvalidArgument(
                 f"no layers requested: name at least one layer of {m.name} "
@@ -233,11 +238,11 @@ class Engine:
         validate_preprocess(spec.preprocessing)
         self.limits.preprocess(spec.preprocessing)
         fixed = fixed_input_size(spec.preprocessing, m.defaults.crop)
-        layers = tuple(spec.layers)
+        job = ExtractJob(self.limits, m, with_layouts(m, spec.layers))
         answer = activation = 0  # the size follows the image: checked per image
         if fixed is not None:  # fails fast, before any image is computed
-            answer, activation = self.limits.answer(m, layers, *fixed)
-        return ResolvedSpec(m, layers, spec.preprocessing, fixed,
+            answer, activation = job.sizes(*fixed)
+        return ResolvedSpec(m, job, spec.preprocessing, fixed,
                             answer_bytes=answer, activation_bytes=activation)
 
     def _check_layer(self, m: ServedModel, name: str) -> None:
@@ -273,7 +278,30 @@ class Engine:
                               self._workers[str(spec.model.device)].queue)
 
     def session(self, deadline: float | None = None) -> Session:
-        return Session(self, deadline)
+        """A call's Session: its answers bounded by its own budget (a child of the
+        server-wide one) and window."""
+        return Session(self, self.budget.child(self.config.max_stream_buffer_bytes,
+                                               "--max-stream-buffer-bytes"),
+                       self.config.max_inflight_per_stream, deadline)
+
+    def freed(self, nbytes: int) -> None:
+        """An answer of `nbytes` was handed on or dropped (Session)."""
+        self.memory.freed(nbytes)
+
+
+def with_layouts(m: ServedModel, layers) -> tuple[LayerSpec, ...]:
+    """The requested layers with their layouts (capture/reduce.py reduces by them);
+    the cls reduction is refused on a layer that is not [T, D]."""
+    table = m.layer_table(*m.defaults.crop)
+    out = []
+    for spec in layers:
+        layout = entry(table, spec.name).layout
+        if spec.reduction is Reduction.CLS and layout is not Layout.TD:
+            raise InvalidArgument(
+                f"reduction cls takes token 0 of a [T, D] layer (a transformer block); "
+                f"layer {spec.name} of {m.name} is {layout.name}: use avg, max or stats")
+        out.append(dataclasses.replace(spec, layout=layout))
+    return tuple(out)
 
 
 def unknown_layer_message(name: str, model: ServedModel) -> str:
@@ -281,7 +309,7 @@ def unknown_layer_message(name: str, model: ServedModel) -> str:
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
     hint = f"closest valid layers: {', '.join(close)}" if close else (
         f"valid layers start with: {', '.join(names[:5])}")
-    outputs = sum(1 for n in names if not n.endswith(INPUT_SUFFIX))
+    outputs = sum(1 for n in names if not split_input_name(n)[1])
     return (f"unknown layer {name!r} for model {model.name}; {hint}. "
             f"DescribeModel (hookserve describe {model.name}) lists all {outputs} layers "
             f"('<layer>{INPUT_SUFFIX}' names a layer's input)")

@@ -16,7 +16,7 @@ from ..errors import InvalidArgument, ModelNotFound, ResourceExhausted
 from ..models import ServedModel
 from ..preprocess.geometry import Geometry
 from ..spec import LayerSpec, Preprocess
-from .types import EngineConfig
+from .config import EngineConfig
 
 #: Longest image id accepted; longest model or layer name.
 MAX_ID_CHARS = 1024
@@ -25,6 +25,13 @@ MAX_NAME_CHARS = 256
 
 def size_text(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1_000_000 else f"{n:,} bytes"
+
+
+def check_image_id(image_id: str) -> None:
+    if len(image_id) > MAX_ID_CHARS:
+        raise InvalidArgument(
+            f"image id is {len(image_id)} characters, over the limit of {MAX_ID_CHARS}: "
+            "use shorter ids (answers are also matched by image_index)")
 
 
 class Limits:
@@ -46,12 +53,6 @@ class Limits:
             raise InvalidArgument(
                 f"a layer name is {len(name)} characters, over the limit of "
                 f"{MAX_NAME_CHARS}: DescribeModel lists the valid names")
-
-    def image_id(self, image_id: str) -> None:
-        if len(image_id) > MAX_ID_CHARS:
-            raise InvalidArgument(
-                f"image id is {len(image_id)} characters, over the limit of {MAX_ID_CHARS}: "
-                "use shorter ids (answers are also matched by image_index)")
 
     def input_size(self, what: str, *sides: int, fix: str) -> None:
         """A size in pixels (a model input side, a resize, a crop) against --max-input-side.

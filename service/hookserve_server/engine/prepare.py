@@ -3,9 +3,11 @@
 Runs on the preprocessing pool (--preprocess-workers threads). Decoding is on the
 CPU (preprocess/decode.py) or, with --gpu-decode, on the model's device
 (preprocess/gpu_decode.py); geometry follows (preprocess/geometry.py). Before that,
-on the stream's reader thread, `plan` reads the header and checks every size the image
-will go through and its answer and activation bytes (engine/limits.py), so nothing is
-decoded or resized that the limits would refuse. The result is a WorkItem on the
+on the call's reader thread (ExtractImage: its handler thread), `plan` reads the
+header and checks every size the image will go through (engine/limits.py) and its
+answer and activation bytes (`Job.sizes`: engine/limits.py for Extract,
+engine/attribute.py for Attribute), so nothing is decoded or resized that the limits
+would refuse. The result is a WorkItem on the
 device's BatchQueue.
 """
 
@@ -34,9 +36,10 @@ from ..preprocess.gpu_decode import decode_jpeg_on_device, probe_jpeg_bytes
 from ..spec import ImageInput
 from ..telemetry import Telemetry
 from .budget import Budget
+from .config import EngineConfig
 from .limits import Limits
 from .queue import BatchQueue
-from .types import CallState, EngineConfig, ResolvedSpec, WorkItem
+from .types import CallState, ResolvedSpec, WorkItem
 
 log = logging.getLogger("hookserve.engine")
 
@@ -87,7 +90,7 @@ class Preparer:
     def plan(self, spec: ResolvedSpec, image: ImageInput) -> ImagePlan:
         """Every size and byte count of one image, from its header alone, checked
         against the limits (raises InvalidArgument / ResourceExhausted). Cheap: it runs
-        on the stream's reader thread, before the image is admitted."""
+        on the call's reader thread, before the image is admitted."""
         m = spec.model
         h, w = read_header(image, self.config.max_image_pixels)
         g = plan_geometry(spec.preprocess, m.defaults.resize, m.defaults.crop, h, w)
@@ -96,7 +99,7 @@ class Preparer:
                            "about", fix="send a smaller image, or ask for a smaller resize")
         if spec.fixed_size is not None:
             return ImagePlan(g, spec.answer_bytes, spec.activation_bytes)
-        answer, activation = spec.sizes(self.limits, *g.input)
+        answer, activation = spec.job.sizes(*g.input)
         return ImagePlan(g, answer, activation)
 
     def submit(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan, call: CallState,
@@ -154,8 +157,8 @@ class Preparer:
             pixels = apply_geometry(arr, spec.preprocess, d.resize, d.crop)
         else:
             pixels = geometry_on_tensor(on_device, spec.preprocess, d.resize, d.crop)
-        return WorkItem(m, pixels, spec.layers, plan.activation_bytes, call, fut,
-                        task=spec.task_for(image))
+        return WorkItem(m, pixels, spec.job, plan.activation_bytes, call, fut,
+                        target=spec.job.target_of(image))
 
     def _decode_on_device(self, m: ServedModel, image: ImageInput) -> torch.Tensor | None:
         """--gpu-decode: a plain RGB JPEG decoded on the model's CUDA device, else None.

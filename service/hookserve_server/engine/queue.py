@@ -7,7 +7,8 @@ import threading
 import time
 from collections.abc import Collection
 
-from .types import CallState, EngineConfig, WorkItem
+from .config import EngineConfig
+from .types import CallState, WorkItem
 
 
 class BatchQueue:
@@ -44,15 +45,16 @@ class BatchQueue:
 
     def next_batch(self, wait: bool = True, busy: Collection[CallState] = (),
                    held: int = 0) -> list[WorkItem] | None:
-        """The next batch: same model and input size (an Attribute batch: one spec and
-        one call), FIFO by its first image.
+        """The next batch: same model, input size and `Job.batch_key` (an Attribute
+        batch: one spec and one call), FIFO by its first image.
 
-        Extract images are always eligible. An Attribute image is eligible unless its
-        call is in `busy` (a call has one Attribute batch on the model's thread at a
-        time), and while attribution holds `held` bytes, only if its memory fits in
-        the rest of --max-batch-bytes. A batch is bounded by --max-batch-size, by
-        --max-batch-bytes less `held`, and an Attribute batch by
-        --max-attribution-cost (its images' summed cost); its first image always fits.
+        An image whose job runs a pass at a time (`Job.resumable`: Attribute) is
+        eligible unless its call is in `busy` (a call has one such batch on the model's
+        thread at a time), and while running batches hold `held` bytes, only if its
+        memory fits in the rest of --max-batch-bytes; other images always are. A batch
+        is bounded by --max-batch-size, by --max-batch-bytes less `held`, and by
+        --max-attribution-cost (its images' summed `Job.cost`); its first image always
+        fits.
 
         With `wait`, blocks for an eligible image, then waits up to max_batch_delay_ms
         for more compatible ones while images are still being prepared (under load
@@ -63,7 +65,7 @@ class BatchQueue:
         room = cfg.max_batch_bytes - held
 
         def eligible(it: WorkItem) -> bool:
-            return it.task is None or (it.call not in busy
+            return not it.job.resumable or (it.call not in busy
                                        and (held <= 0 or it.activation_bytes <= room))
 
         with self._cond:
@@ -92,7 +94,7 @@ class BatchQueue:
                     nbytes += it.activation_bytes
                     cost += it.cost
                 full = (left_out or len(batch) >= cfg.max_batch_size or nbytes >= room
-                        or (first.task is not None and cost >= cfg.max_attribution_cost))
+                        or (first.cost > 0 and cost >= cfg.max_attribution_cost))
                 remaining = until - time.monotonic()
                 if full or not wait or self.incoming <= 0 or remaining <= 0 or self._closed:
                     break

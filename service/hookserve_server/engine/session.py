@@ -1,5 +1,6 @@
-"""One Extract or Attribute call: a reader thread admits images; answers come back in
-send order."""
+"""One work call (Extract, Attribute, or ExtractImage's one image): a reader thread
+admits images; answers come back in send order. A Session knows the engine only as
+a `Pipeline`, the few members it uses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..attribution_spec import AttributionSpec
 from ..errors import (
@@ -20,18 +21,38 @@ from ..errors import (
     Unavailable,
 )
 from ..spec import ExtractionSpec, ImageInput, ImageResult
-from .budget import Reservation
-from .limits import MAX_ID_CHARS
+from .budget import Budget, Reservation
+from .limits import MAX_ID_CHARS, check_image_id
+from .prepare import ImagePlan
 from .types import CallState, ResolvedSpec
-
-if TYPE_CHECKING:
-    from .core import Engine
-    from .prepare import ImagePlan
 
 log = logging.getLogger("hookserve.engine")
 
 #: Duplicate ids are detected among the last this-many ids of a stream (~5 MB a stream).
 ID_HISTORY = 65_536
+
+
+class Pipeline(Protocol):
+    """What a Session needs of the engine (engine/core.py's Engine is one)."""
+
+    #: Set when shutdown began: open streams stop taking new images.
+    draining: bool
+
+    def register(self, session: Session) -> None:
+        """A running Session, told when a drain starts (`Session.drain`)."""
+
+    def resolve(self, spec: ExtractionSpec | AttributionSpec) -> ResolvedSpec:
+        """A spec checked against its model; raises its HookserveError."""
+
+    def plan(self, spec: ResolvedSpec, image: ImageInput) -> ImagePlan:
+        """An image's sizes and answer bytes from its header, checked."""
+
+    def submit(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan,
+               call: CallState, fut: Future) -> None:
+        """Admit an image and start its work; `fut` gets its answer or error."""
+
+    def freed(self, nbytes: int) -> None:
+        """An answer of `nbytes` was handed on or dropped."""
 
 
 def drain_error() -> Unavailable:
@@ -40,7 +61,7 @@ def drain_error() -> Unavailable:
 
 
 class Session:
-    """One Extract call: reads requests, keeps a bounded window, answers in order.
+    """One work call: reads requests, keeps a bounded window, answers in order.
 
     The window bounds images admitted and not yet yielded, by count
     (``max_inflight_per_stream``), and by answer bytes: each image's answer size is
@@ -52,12 +73,15 @@ class Session:
     call ends without sending it.
     """
 
-    def __init__(self, engine: Engine, deadline: float | None = None) -> None:
+    def __init__(self, engine: Pipeline, budget: Budget, window: int,
+                 deadline: float | None = None) -> None:
         self.engine = engine
         #: What queued work items see of this call (never the Session itself).
         self.call = CallState(deadline)
-        self._budget = engine.budget.child(engine.config.max_stream_buffer_bytes,
-                                           "--max-stream-buffer-bytes")
+        #: this stream's answer bytes (a child of the server-wide budget)
+        self._budget = budget
+        #: images admitted and not yet yielded, at most
+        self._window = window
         self._cond = threading.Condition()
         self._inflight = 0
         self._reader_done = False
@@ -84,7 +108,7 @@ class Session:
 
     # -- the window ----------------------------------------------------------------------
     def _acquire(self) -> bool:
-        limit = self.engine.config.max_inflight_per_stream
+        limit = self._window
         with self._cond:
             while self._inflight >= limit and not self.cancelled:
                 self._cond.wait()
@@ -102,7 +126,7 @@ class Session:
         """An answer was handed on or dropped: its bytes leave the budgets."""
         if reservation is not None:
             reservation.release()
-            self.engine.memory.freed(reservation.nbytes)
+            self.engine.freed(reservation.nbytes)
 
     def _drop_unsent(self) -> None:
         """The call ended: release what waits in the output queue (answers included)."""
@@ -117,7 +141,7 @@ class Session:
     def _check_id(self, image_id: str) -> None:
         if not image_id:
             return
-        self.engine.limits.image_id(image_id)
+        check_image_id(image_id)
         h = int.from_bytes(hashlib.blake2b(image_id.encode(), digest_size=8).digest(), "little")
         if h in self._ids:
             raise InvalidArgument(

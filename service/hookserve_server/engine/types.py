@@ -1,80 +1,128 @@
-"""The engine's own types: its configuration, a resolved spec, the per-call state,
-and the work item that travels from preparation to the device worker."""
+"""The engine's own types, shared by its stages: a resolved spec, the per-call state, the
+work item that travels from preparation to the device worker, and the seam of each kind
+of work (`Job`) with what it uses of the device worker (`Device`, `Running`).
+
+A leaf: it imports no other engine module.
+"""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..errors import HookserveError
 from ..models import ServedModel
 from ..spec import ImageInput, LayerSpec, Preprocess
+from ..telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from .attribute import AttributeTask
-    from .limits import Limits
+    from ..capture.plan import CapturePlan
 
 
-@dataclass
-class EngineConfig:
-    """Limits and batching knobs. Every size a client controls is bounded here."""
+class Job(Protocol):
+    """One kind of work (Extract, Attribute), as one resolved spec asks it of each image.
 
-    max_batch_size: int = 32
-    max_batch_delay_ms: float = 5.0
-    #: Cap on activation bytes (full, unreduced outputs of the requested layers) per batch.
-    max_batch_bytes: int = 1 << 30
-    #: Images admitted (being preprocessed or queued for the model) across all calls.
-    max_queue: int = 1024
-    #: How long an image waits for room in a full queue before RESOURCE_EXHAUSTED.
-    queue_wait_s: float = 2.0
-    #: Images of one stream admitted but not yet answered (backpressure beyond that).
-    max_inflight_per_stream: int = 64
-    #: Bytes of answers one stream may have reserved and not yet sent.
-    max_stream_buffer_bytes: int = 256 << 20
-    #: The same across all streams (--max-buffer-bytes).
-    max_buffer_bytes: int = 2 << 30
-    #: Estimated peak memory of the images being decoded and resized at once.
-    max_preprocess_bytes: int = 4 << 30
-    max_image_pixels: int = 50_000_000
-    #: Estimated response bytes for one image (all its layers, after reduction).
-    max_response_bytes: int = 1 << 30
-    max_layers: int = 256
-    max_input_side: int = 8192
-    preprocess_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))
-    #: Decode plain RGB JPEGs on the model's CUDA device (--gpu-decode); CPU otherwise.
-    gpu_decode: bool = False
-    #: Largest Attribute request, in forward-equivalents (AttributionSpec.cost) per image,
-    #: per batch and per call at once on the model's thread.
-    max_attribution_cost: int = 1024
-    #: Forward-equivalents of one Attribute pass; other work runs between passes.
-    attribution_pass_cost: int = 16
+    The shared stages (session, preparation, batch queue, device worker) know a kind of
+    work only through these members.
+    """
+
+    #: Forward-equivalents of one image, bounded per batch by --max-attribution-cost
+    #: (0: not counted).
+    cost: int
+    #: Its batch stays on the model's thread and runs a pass at a time (`Running`); a
+    #: call has one such batch there at a time, and its memory counts while it runs.
+    resumable: bool
+
+    def sizes(self, h: int, w: int) -> tuple[int, int]:
+        """(answer, activation) bytes per image at input HxW; enforces the limits."""
+
+    def target_of(self, image: ImageInput) -> int | None:
+        """What an image asks besides the spec (Attribute: its target class, checked)."""
+
+    def batch_key(self, call: CallState) -> Hashable:
+        """What the images of one batch share besides model and input size."""
+
+    def run_batch(self, device: Device, items: list[WorkItem]) -> None:
+        """Run one batch on the model's thread; every image gets its answer or error,
+        here, on the completer (`Device.complete`), or pass by pass (`Device.resume`)."""
+
+    def cache_keys(self, state: Any, image: ImageInput) -> list[bytes]:
+        """One answer-cache key per unit of an image's answer, in the answer's order,
+        continuing `state` (cache/key.py `base`: the image, model and preprocessing)."""
+
+    def only(self, units: list[int]) -> Job:
+        """This job for some units of its answer (the cache computes what it misses)."""
+
+    def unit_types(self) -> list[tuple[str | None, Any]]:
+        """(name, DType) of each unit's value, in the answer's order (None: any name);
+        the cache checks what it reads back against them."""
+
+
+class Running(Protocol):
+    """A batch that runs a pass at a time between other work (Attribute)."""
+
+    items: list[WorkItem]
+    #: Bytes it holds on the device while it runs (counted against --max-batch-bytes).
+    memory: int
+
+    @property
+    def call(self) -> CallState: ...
+
+    def step(self, device: Device) -> bool:
+        """One pass, unless its call ended; True when the batch is over."""
+
+
+class Capturer(Protocol):
+    """The forward pass an Extract batch runs: eager hooks, or a compiled graph once
+    one is ready for its shape (engine/compiled.py)."""
+
+    def capture(self, model: ServedModel, x: torch.Tensor, plan: CapturePlan
+                ) -> dict[LayerSpec, torch.Tensor]:
+        """Each planned layer's reduced batch tensor."""
+
+
+class Device(Protocol):
+    """What a job's batch uses of the device worker that runs it."""
+
+    device: torch.device
+    telemetry: Telemetry
+    #: how Extract batches run their forward pass (--compile)
+    compiled: Capturer
+
+    @property
+    def room(self) -> int:
+        """--max-batch-bytes less what running batches hold."""
+
+    def complete(self, items: list[WorkItem], outputs: list,
+                 answer: Callable[[Any, bool], Any]) -> None:
+        """Hand each image `answer(its output, copy)` once the device is done (`copy`:
+        the output is a row of a batch tensor)."""
+
+    def resume(self, run: Running) -> None:
+        """Keep `run` and give it a pass in turn with the other running batches."""
+
+    def ran_pass(self, model: str, rows: int, seconds: float) -> None:
+        """A pass of a running batch ran (counted, observed)."""
 
 
 @dataclass(frozen=True)
 class ResolvedSpec:
-    """A validated spec bound to its model."""
+    """A validated spec bound to its model and its kind of work."""
 
     model: ServedModel
-    layers: tuple[LayerSpec, ...]
+    job: Job
     preprocess: Preprocess
     #: Model input size when it does not depend on the image.
     fixed_size: tuple[int, int] | None
     #: Answer and activation bytes per image at fixed_size (0 when the size varies).
     answer_bytes: int = 0
     activation_bytes: int = 0
-
-    def sizes(self, limits: Limits, h: int, w: int) -> tuple[int, int]:
-        """(answer, activation) bytes per image at input HxW; enforces the limits."""
-        return limits.answer(self.model, self.layers, h, w)
-
-    def task_for(self, image: ImageInput) -> AttributeTask | None:
-        """What an image's work item carries besides its layers (Attribute only)."""
-        return None
 
 
 class CallState:
@@ -84,13 +132,33 @@ class CallState:
     def __init__(self, deadline: float | None = None) -> None:
         self.deadline = deadline
         self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._on_cancel: list = []
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
-        self._cancelled.set()
+        with self._lock:
+            self._cancelled.set()
+            callbacks, self._on_cancel = self._on_cancel, []
+        for fn in callbacks:
+            fn()
+
+    def on_cancel(self, fn) -> None:
+        """Call `fn()` once when the call is cancelled (now, if it was already)."""
+        with self._lock:
+            if not self._cancelled.is_set():
+                self._on_cancel.append(fn)
+                return
+        fn()
+
+    def forget(self, fn) -> None:
+        """`fn` is no longer needed (its wait ended)."""
+        with self._lock:
+            if fn in self._on_cancel:
+                self._on_cancel.remove(fn)
 
     def expired(self, now: float | None = None) -> bool:
         if now is None:
@@ -104,22 +172,25 @@ class WorkItem:
 
     model: ServedModel
     pixels: torch.Tensor            # uint8 3xHxW, on the CPU (or the device: --gpu-decode)
-    layers: tuple[LayerSpec, ...]
+    job: Job
     activation_bytes: int
     call: CallState
     future: Future
     enqueued: float = 0.0
-    #: An Attribute image's spec and target (engine/attribute.py); None for Extract.
-    task: AttributeTask | None = None
+    #: What the image asks besides its spec (`Job.target_of`; Attribute: its target).
+    target: int | None = None
 
     @property
-    def key(self):
-        """Images with the same key can share a batch (an Attribute batch: one spec and
-        one call)."""
+    def key(self) -> tuple:
+        """Images with the same key can share a batch."""
         return (self.model.name, self.pixels.shape[1], self.pixels.shape[2],
-                None if self.task is None else (self.task.batch_key, self.call))
+                self.job.batch_key(self.call))
 
     @property
     def cost(self) -> int:
-        """Forward-equivalents of this image (0 for Extract)."""
-        return 0 if self.task is None else self.task.spec.attribution.cost
+        return self.job.cost
+
+    def fail(self, error: HookserveError) -> None:
+        """End this image with an error (its permit is released by its future)."""
+        if not self.future.done():
+            self.future.set_exception(error.detached())

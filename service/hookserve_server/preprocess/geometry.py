@@ -96,12 +96,6 @@ def plan_geometry(pre: Preprocess, default_resize: int, default_crop: tuple[int,
     return Geometry((h, w), resize, resized, crop or resized or (h, w))
 
 
-def geometry_size(pre: Preprocess, default_resize: int, default_crop: tuple[int, int],
-                  h: int, w: int) -> tuple[int, int]:
-    """The model-input size that `apply_geometry` will produce for an HxW image."""
-    return plan_geometry(pre, default_resize, default_crop, h, w).input
-
-
 def _resized(h: int, w: int, size: int) -> tuple[int, int]:
     # torchvision's rule for resize([size]): the shorter side becomes `size`.
     short, long = (w, h) if w <= h else (h, w)

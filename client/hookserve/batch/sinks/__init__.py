@@ -15,13 +15,28 @@ from .base import OutputError, Record, ShapeMismatch, Sink
 from .durable import journal_append, journal_read
 
 __all__ = ["OutputError", "Record", "ShapeMismatch", "Sink", "journal_append",
-           "journal_read", "make_sink", "peek_done", "format_of"]
+           "journal_read", "make_sink", "peek_done", "format_of", "unknown_format"]
+
+
+#: The --out suffixes and their formats; no suffix also names a folder of .npy files.
+FORMATS = {".h5": "h5", ".hdf5": "h5", ".parquet": "parquet", ".npy": "npy"}
 
 
 def format_of(out: str) -> str:
     """'h5', 'parquet' or 'npy' (a folder), by the extension of `out`."""
     ext = os.path.splitext(out.rstrip("/"))[1].lower()
-    return {".h5": "h5", ".hdf5": "h5", ".parquet": "parquet"}.get(ext, "npy")
+    return FORMATS.get(ext, "npy")
+
+
+def unknown_format(out: str) -> str | None:
+    """Why `out` names no output format (one line), or None. Known: a suffix of
+    :data:`FORMATS`, or a folder of .npy files: no suffix, a trailing ``/``, or an
+    existing folder."""
+    ext = os.path.splitext(out.rstrip("/"))[1]
+    if not ext or ext.lower() in FORMATS or out.endswith("/") or os.path.isdir(out):
+        return None
+    return (f"--out {out}: {ext} is not an output format; name it NAME.h5 (or .hdf5), "
+            "NAME.parquet, or a folder of .npy files (NAME.npy, no suffix, or end it with /)")
 
 
 def make_sink(out: str, meta: dict, **kw) -> Sink:

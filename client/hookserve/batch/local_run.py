@@ -1,4 +1,5 @@
-"""The run loop of `hookserve batch`: plan the work, start the streams, write in order.
+"""The local run of `hookserve batch` (local files, one output): plan the work, start
+the streams, write in order.
 
 - Inputs are listed, sorted and sharded up front (:mod:`.inputs`); images already in
   the output are skipped (:func:`plan`).
@@ -37,23 +38,11 @@ from .inputs import (
     parse_shard,
     select_shard,
 )
-from .limits import Cap, check_flags, return_freed_inputs
+from .limits import Cap
 from .progress import Progress
 from .scheduler import Item, Scheduler, Streams
-from .sharded import run_sharded
-from .shardrun import wants_shards
 from .sinks import OutputError, Record, ShapeMismatch, Sink, make_sink, peek_done
 from .spec import connect, describe_and_check, parse_layers
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of `hookserve batch`; returns the exit code."""
-    return_freed_inputs()
-    try:
-        return _run(args)
-    except Abort as exc:
-        print(f"hookserve batch: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_PROCEED
 
 
 def plan(paths: list[str], done: dict, cap: Cap | None = None
@@ -92,10 +81,9 @@ def plan(paths: list[str], done: dict, cap: Cap | None = None
     return work, failures, skipped
 
 
-def _run(args) -> int:
-    check_flags(args)
-    if wants_shards(args):
-        return run_sharded(args)
+def run_local(args: argparse.Namespace) -> int:
+    """`hookserve batch` over local files into one output; -> the exit code. Raises
+    :class:`~.errors.Abort` when the run cannot start."""
     try:
         shard = parse_shard(args.shard) if args.shard is not None else None
         paths = select_shard(discover(args.inputs, path_column=args.path_column,

@@ -1,4 +1,4 @@
-"""Input shards for sharded runs: the shard is the unit of work.
+"""Planning the input shards of sharded runs: the shard is the unit of work.
 
 Planning (:func:`plan_shards`) costs one listing per input, never a request per image:
 
@@ -17,21 +17,20 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
   Their ids are their paths or URLs (a local name that is not valid UTF-8 is encoded
   as :func:`~.inputs.encode_name` says). A file named by several inputs is listed once.
 
-``--shard I/N`` keeps the shards whose key hashes (BLAKE2b) to I modulo N. Reading a
-shard is :mod:`.readers` (:func:`entries`).
+``--shard I/N`` keeps the shards whose key hashes to I modulo N
+(:func:`~.inputs.shard_of`, the hash a local run gives each path). Reading a shard is
+:func:`.readers.entries`.
 """
 
 from __future__ import annotations
 
 import glob as _glob
-import hashlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .inputs import encode_name, is_image, listed_paths
-from .limits import IN_FLIGHT_BYTES, Cap
-from .readers import Entry, ShardError, file_entries, is_tar, parquet_entries, tar_entries
+from .defaults import DEFAULTS
+from .inputs import encode_name, is_image, listed_paths, name_digest, shard_of
+from .readers import ShardError, is_tar, open_seekable
 from .remote import expand_braces, filesystem, is_url, walk_files
 
 
@@ -51,20 +50,14 @@ class Shard:
     @property
     def sid(self) -> str:
         """16 hex digits naming this shard's output part and marker."""
-        return hashlib.blake2b(self.key.encode("utf-8", "surrogateescape"),
-                               digest_size=8).hexdigest()
-
-
-def key_hash(key: str, n: int) -> int:
-    h = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest()
-    return int.from_bytes(h, "big") % n
+        return name_digest(self.key).hex()
 
 
 def select(shards: list[Shard], shard: tuple[int, int] | None) -> list[Shard]:
     if shard is None:
         return shards
     i, n = shard
-    return [s for s in shards if key_hash(s.key, n) == i]
+    return [s for s in shards if shard_of(s.key, n) == i]
 
 
 def _parquet_shards(path: str, size: int, opts: dict, shard_bytes: int) -> list[Shard]:
@@ -73,7 +66,7 @@ def _parquet_shards(path: str, size: int, opts: dict, shard_bytes: int) -> list[
     from .sinks.base import need
 
     pq = need("pyarrow.parquet", "reading Parquet")
-    with _open(path, opts) as fh:
+    with open_seekable(path, opts) as fh:
         n = pq.ParquetFile(fh).metadata.num_row_groups
     if n <= 1:
         return [Shard(path, "parquet", path)]
@@ -108,7 +101,8 @@ def _listing(spec: str, opts: dict) -> list[tuple[str, int]]:
 
 
 def plan_shards(specs: list[str], *, image_column: str | None = None,
-                listing_shards: int = 64, shard_bytes: int = 256 << 20,
+                listing_shards: int = DEFAULTS["listing_shards"],
+                shard_bytes: int = DEFAULTS["shard_bytes"],
                 storage_options: dict | None = None, path_column: str = "path"
                 ) -> list[Shard]:
     """Every input shard the inputs name, sorted by key (see the module doc). A list
@@ -146,7 +140,7 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
                     files[path] = size
             buckets: dict[int, list[str]] = {}
             for f in files:
-                buckets.setdefault(key_hash(encode_name(f), listing_shards), []).append(f)
+                buckets.setdefault(shard_of(encode_name(f), listing_shards), []).append(f)
             for b, members in buckets.items():
                 key = f"{encode_name(spec)}#{b}/{listing_shards}"
                 shards[key] = Shard(key, "files", spec, files=tuple(members),
@@ -155,7 +149,8 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,
-                   image_column: str | None = None, listing_shards: int = 64,
+                   image_column: str | None = None,
+                   listing_shards: int = DEFAULTS["listing_shards"],
                    path_column: str = "path") -> Shard:
     """The shard a key names (what :func:`plan_shards` printed or stored)."""
     base, sep, rest = key.rpartition("#")
@@ -173,29 +168,3 @@ def shard_from_key(key: str, storage_options: dict | None = None, *,
                 return s
         return Shard(key, "files", base)  # an empty bucket
     return Shard(key, "files", key, files=(key,))
-
-
-# ------------------------------------------------------------------ reading a shard
-def _open(path: str, opts: dict):
-    if is_url(path):
-        fs, p = filesystem(path, opts)
-        return fs.open(p, "rb")
-    return open(path, "rb")  # noqa: SIM115 - closed by the caller
-
-
-def entries(shard: Shard, *, opts: dict | None = None, image_column: str | None = None,
-            id_column: str | None = None, cap: Cap | None = None, timeout: float = 60.0,
-            max_group_bytes: int = IN_FLIGHT_BYTES) -> Iterator[Entry]:
-    """The shard's images as :class:`~.readers.Entry` objects, in a stable order; one
-    that cannot be read is an entry with its typed error, and the iteration goes on.
-    Nothing is read before the caller starts an entry."""
-    opts = opts or {}
-    cap = cap or Cap(256 << 20)
-    if shard.kind == "tar":
-        return tar_entries(shard.source, opts, cap, timeout)
-    if shard.kind == "parquet":
-        if not image_column:
-            raise ShardError("a Parquet shard needs --image-column")
-        return parquet_entries(shard, opts, image_column, id_column, cap, max_group_bytes)
-    sizes = dict(zip(shard.files, shard.sizes, strict=False))  # none from a bare key
-    return file_entries(shard.files, sizes, opts, cap, timeout)

@@ -1,9 +1,22 @@
-"""The sharded `hookserve batch` command, and :func:`run_shard` for other schedulers.
+"""The sharded run of `hookserve batch`: plan the shards, do each one not yet done.
 
-    from hookserve.batch import plan_shards, run_shard
-    for shard in plan_shards(["s3://bucket/shards/{000000..000127}.tar"]):
-        run_shard(shard, out="s3://bucket/feats.parquet", layers=["layer4:avg"],
-                  server="dns:///hookserve:50051")
+A run is sharded when an input is a URL, a tar or a list of URLs, when
+``--image-column`` is given, when ``--out`` is a URL, or with ``--sharded``
+(:func:`~.command.wants_shards`). Then:
+
+- planning lists each input once and cuts it into shards (:mod:`.shard_plan`);
+  ``--shard I/N`` keeps whole shards; the output folder is listed once;
+- ``--streams`` shards are done at once, each on its own stream
+  (:func:`~.one_shard.extract_shard`, reading through :func:`~.readers.entries`),
+  sharing one byte budget; each is published to the output (:mod:`.shard_output`):
+  its part, its errors file, and, only when every input is accounted for, its done
+  marker. Accounted for: the container was read to its proper end, and every image has
+  a row or a *final* error row (:func:`~.errors.is_final`). Any other failure (not
+  found, network, a missing extra, overload, a cut container) leaves the shard without
+  a marker: the run exits 3 naming it, and the next run does it again;
+- a shard with a valid marker is skipped;
+- workers with different ``--shard`` share one ``--out`` with no lock: each writes only
+  its own shards' files.
 """
 
 from __future__ import annotations
@@ -14,7 +27,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 
 from .errors import (
     EXIT_CANNOT_PROCEED,
@@ -24,9 +36,10 @@ from .errors import (
     EXIT_SOME_FAILED,
     Abort,
 )
-from .inputs import MAX_FILE_BYTES, InputError, parse_shard
+from .inputs import InputError, parse_shard
 from .intake import Interrupted
-from .limits import IN_FLIGHT_BYTES, ByteBudget, Cap, check_flags
+from .limits import ByteBudget, check_flags
+from .one_shard import extract_shard, one_line, open_output, output_meta, read_opts
 from .remote import (
     MissingExtra,
     expand_braces,
@@ -36,117 +49,14 @@ from .remote import (
     parse_storage_options,
     set_store_timeout,
 )
-from .shardrun import ShardIncomplete, ShardOutput, ShardResult, extract_shard
-from .shards import Shard, ShardError, plan_shards, select, shard_from_key
+from .shard_output import ShardOutput, ShardResult
+from .shard_plan import Shard, ShardError, plan_shards, select
 from .sinks.base import OutputError
 from .spec import connect, describe_and_check, parse_layers
 from .streamcall import Watchdog
 
-#: Defaults of the flags a sharded run reads (the CLI's and run_shard's).
-DEFAULTS = {
-    "model": None, "reduction": "none", "dtype": "float32", "l2_normalize": False,
-    "native": False, "resize": None, "crop": None, "image_column": None, "id_column": None,
-    "listing_shards": 64, "shard_bytes": 256 << 20, "max_file_bytes": MAX_FILE_BYTES,
-    "max_in_flight_bytes": IN_FLIGHT_BYTES, "retries": 5, "max_in_flight": 128,
-    "streams": 4, "timeout": 60.0, "ca": None, "cert": None, "key": None,
-    "token_file": None, "storage_option": [], "shard": None, "sharded": True,
-    "progress": None, "dry_run": False, "path_column": "path",
-}
 #: Shards named one by one when a run leaves shards open.
 NAMED = 20
-
-
-def _read_opts(args, storage_options: dict, cap: Cap) -> dict:
-    return {"opts": storage_options, "image_column": args.image_column,
-            "id_column": args.id_column, "cap": cap, "timeout": args.timeout,
-            "max_group_bytes": args.max_in_flight_bytes}
-
-
-def _meta(meta: dict, args) -> dict:
-    """Settings that define the shards go into the metadata; --shard does not (every
-    worker of one output writes the same metadata)."""
-    meta = dict(meta, shard=None)
-    meta["sharding"] = {"listing_shards": args.listing_shards, "shard_bytes": args.shard_bytes,
-                        "image_column": args.image_column, "id_column": args.id_column}
-    return meta
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
-def _open_output(out: str, meta: dict, opts: dict) -> ShardOutput:
-    try:
-        output = ShardOutput(out, meta, opts)
-        output.open()
-        output.files()
-    except (OutputError, MissingExtra) as exc:
-        raise Abort(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - a store that cannot be reached or used
-        raise Abort(f"cannot use the output {out}: {_one_line(exc)}") from None
-    return output
-
-
-def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
-              server: str | Sequence[str] | None = None, client=None,
-              storage_options: dict | None = None, **flags) -> ShardResult:
-    """Extract one input shard into `out` (its part, errors file and done marker).
-
-    `shard` is a :class:`~.shards.Shard` from :func:`plan_shards`, or its key: a
-    tar path or URL, a Parquet file (``...#rg=K`` for one row group; give
-    ``image_column=``), or a listing bucket ``<input>#b/B``. `flags` are the
-    `hookserve batch` flags with underscores (``reduction="avg"``, ``image_column=``,
-    ``model=``, ``retries=``...). A shard whose marker is valid is skipped.
-
-    Raises :class:`~.shardrun.ShardIncomplete` when an input failed in a way a rerun
-    may fix (not found, network, overload, a cut container): the shard then has no
-    marker, so a scheduler's retry does it again. Raises
-    :class:`hookserve.HookserveError` when no server can do the work, and ValueError
-    for bad settings; final per-image failures go to the shard's errors file.
-    """
-    unknown = set(flags) - set(DEFAULTS)
-    if unknown:
-        raise TypeError(f"run_shard: unknown flags {sorted(unknown)}")
-    args = argparse.Namespace(**{**DEFAULTS, **flags, "out": out, "layers": list(layers),
-                                 "inputs": [], "server": server})
-    if isinstance(server, str):
-        args.server = [server]
-    opts = storage_options or {}
-    set_store_timeout(args.timeout)
-    try:
-        check_flags(args)
-        if not isinstance(shard, Shard):
-            shard = shard_from_key(shard, opts, image_column=args.image_column,
-                                   listing_shards=args.listing_shards,
-                                   path_column=args.path_column)
-        layer_objs = parse_layers(args.layers, args.reduction, args.dtype,
-                                  args.l2_normalize)
-    except Abort as exc:
-        raise ValueError(str(exc)) from None
-    own = client is None
-    client = connect(args) if own else client
-    try:
-        try:
-            meta, xopts, cap = describe_and_check(args, client, layer_objs)
-            output = _open_output(out, _meta(meta, args), opts)
-        except Abort as exc:
-            raise ValueError(str(exc)) from None
-        if shard.sid in output.done([shard]):
-            return ShardResult(shard.key, skipped=True)
-        output.forget(shard)
-        rows, fails = extract_shard(client, shard, layer_objs, xopts, model=args.model,
-                                    retries=args.retries, window=args.max_in_flight,
-                                    read=_read_opts(args, opts, cap),
-                                    budget=ByteBudget(args.max_in_flight_bytes),
-                                    watchdog=Watchdog(args.timeout))
-        result = output.publish(shard, rows, fails)
-        if not result.complete:
-            raise ShardIncomplete(result)
-        return result
-    finally:
-        if own:
-            client.close()
 
 
 def _store_urls(specs: list[str], path_column: str, image_column: str | None
@@ -177,13 +87,13 @@ def probe(specs: list[str], opts: dict, path_column: str = "path",
         except MissingExtra as exc:
             raise Abort(str(exc)) from None
         except (TypeError, ValueError) as exc:
-            raise Abort(f"{url}: bad --storage-option: {_one_line(exc)}") from None
+            raise Abort(f"{url}: bad --storage-option: {one_line(exc)}") from None
         except Exception as exc:  # noqa: BLE001 - e.g. an endpoint nothing listens on
-            raise Abort(f"cannot reach {url}: {_one_line(exc)}") from None
+            raise Abort(f"cannot reach {url}: {one_line(exc)}") from None
 
 
 def run_sharded(args: argparse.Namespace) -> int:
-    """`hookserve batch` over input shards (see :mod:`.shardrun`); -> the exit code."""
+    """`hookserve batch` over input shards (see the module doc); -> the exit code."""
     check_flags(args)
     set_store_timeout(args.timeout)
     try:
@@ -196,7 +106,7 @@ def run_sharded(args: argparse.Namespace) -> int:
     except (ShardError, ValueError, OutputError, MissingExtra, InputError) as exc:
         raise Abort(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a listing the store refused
-        raise Abort(f"cannot list the inputs: {_one_line(exc)}") from None
+        raise Abort(f"cannot list the inputs: {one_line(exc)}") from None
     mine = select(shards, part)
     layers = parse_layers(args.layers, args.reduction, args.dtype, args.l2_normalize)
     where = f" for shard {args.shard}" if args.shard is not None else ""
@@ -219,17 +129,17 @@ def run_sharded(args: argparse.Namespace) -> int:
         return EXIT_OK
     with connect(args) as client:
         meta, xopts, cap = describe_and_check(args, client, layers)
-        output = _open_output(args.out, _meta(meta, args), opts)
+        output = open_output(args.out, output_meta(meta, args), opts)
         try:
             done = output.done(mine)
         except Exception as exc:  # noqa: BLE001 - the output store failed
-            raise Abort(f"cannot read the output {args.out}: {_one_line(exc)}") from None
+            raise Abort(f"cannot read the output {args.out}: {one_line(exc)}") from None
         for note in output.notes:
             print(f"hookserve batch: {note}", file=sys.stderr)
         todo = [s for s in mine if s.sid not in done]
         t0 = time.monotonic()
         results, fatal, interrupted = _run_pool(args, client, todo, output, layers, xopts,
-                                                _read_opts(args, opts, cap))
+                                                read_opts(args, opts, cap))
     return _report(args, results, fatal, interrupted, len(mine) - len(todo), len(todo),
                    time.monotonic() - t0)
 
@@ -246,7 +156,7 @@ def _report(args, results: list[ShardResult], fatal, interrupted: bool, skipped:
     if failed:
         summary += f" (errors: {args.out.rstrip('/')}/_errors-*.csv)"
     if fatal is not None:  # one line: what stopped the run, and how far it came
-        print(f"hookserve batch: {_one_line(fatal)} (stopped; {len(results)} shards "
+        print(f"hookserve batch: {one_line(fatal)} (stopped; {len(results)} shards "
               "written before)", file=sys.stderr)
         return EXIT_CANNOT_PROCEED
     for r in open_[:NAMED]:
@@ -344,7 +254,3 @@ def _run_pool(args, client, todo: list[Shard], output: ShardOutput, layers, xopt
         for sig, handler in old.items():
             signal.signal(sig, handler)
     return done, fatal, interrupted
-
-
-__all__ = ["run_shard", "run_sharded", "plan_shards", "ShardResult", "ShardIncomplete",
-           "DEFAULTS"]

@@ -23,9 +23,9 @@ import threading
 from contextlib import nullcontext
 
 import torch
-import torchvision
 from torch import nn
 
+from ..architectures import build_meta
 from ..errors import InternalError
 
 
@@ -87,8 +87,7 @@ _META_LOCK = threading.Lock()
 
 @functools.lru_cache(maxsize=8)
 def _meta_model(arch: str, dtype: torch.dtype) -> nn.Module:
-    with torch.device("meta"):
-        m = torchvision.models.get_model(arch, weights=None)
+    m = build_meta(arch)
     return m.eval().requires_grad_(False).to(dtype=dtype)
 
 

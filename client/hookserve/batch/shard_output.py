@@ -1,79 +1,43 @@
-"""Sharded runs of `hookserve batch`, one shard at a time: extract it, publish its part.
+"""The output folder of a sharded run: each shard's part, errors file and done marker.
 
-A run is sharded when an input is a URL, a tar or a list of URLs, when
-``--image-column`` is given, when ``--out`` is a URL, or with ``--sharded``. Then:
+A shard's rows are built into one part locally and published whole (rename, or one
+upload), then its errors file, then, **only when every input of the shard is accounted
+for**, its done marker ``_done-<sid>.json``, which records the part's files and sizes
+(:meth:`ShardOutput.publish`). A marker is trusted only when it parses, names its
+shard, and every file it records is there with its recorded size
+(:meth:`ShardOutput.done`); otherwise it is deleted and the shard done again.
 
-- planning lists each input once and cuts it into shards (:mod:`.shards`);
-  ``--shard I/N`` keeps whole shards; the output folder is listed once;
-- each shard not yet done is extracted (:func:`extract_shard`), its rows are built
-  into one part locally, the part is published whole (rename, or one upload), then its
-  errors file, then, **only when every input of the shard is accounted for**, its done
-  marker ``_done-<sid>.json``, which records the part's files and sizes. Accounted for:
-  the container was read to its proper end, and every image has a row or a *final*
-  error row (:func:`~.errors.is_final`). Any other failure (not found, network, a
-  missing extra, overload, a cut container) leaves the shard without a marker: the run
-  exits 3 naming it, and the next run does it again;
-- a shard with a marker is skipped only when the marker is valid: it parses, names
-  this shard, and every file it records is there with its recorded size. Otherwise the
-  marker is deleted and the shard done again; a part is rewritten with the same name
-  and the same rows;
-- workers with different ``--shard`` share one ``--out`` with no lock: each writes only
-  its own shards' files. Files that are not parts start with ``_`` so that pyarrow,
-  pandas and Spark read a ``.parquet`` folder as a dataset.
-
-:mod:`.sharded` runs the shards of a command, and has :func:`~.sharded.run_shard`, which
-does one shard for any scheduler (Ray, Spark, Dask, a Slurm array).
+Two layouts, by the extension of ``--out``: a Parquet dataset (``part-<sid>.parquet``
+per shard), or an **npy stack** folder: per shard a folder ``<sid>/`` with
+``index.jsonl`` and one ``<layer>.npy`` of shape ``[rows, ...]`` per layer. (The local
+run's ``.npy`` output is another layout: one file per image and layer,
+:mod:`.sinks.npy`.) Files that are not parts start with ``_`` so that pyarrow, pandas
+and Spark read a ``.parquet`` folder as a dataset.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
-import hashlib
 import io
 import json
 import os
 import tempfile
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import __version__, errors
+from .. import __version__
 from .errors import is_final
-from .intake import Intake
-from .limits import ByteBudget
-from .remote import Location, expand_braces, is_url
-from .scheduler import RETRY_STREAM, backoff, retryable
-from .shards import Shard, entries, is_tar
+from .remote import Location
+from .shard_plan import Shard
 from .sinks import format_of
 from .sinks.base import OutputError, check_meta, need
 from .sinks.parquet import write_table
-from .streamcall import Watchdog, extract_many
 
 META = "_hookserve.json"
-
-
-def wants_shards(args: argparse.Namespace) -> bool:
-    """Whether `args` describe a sharded run (see the module doc)."""
-    if getattr(args, "sharded", False) or getattr(args, "image_column", None):
-        return True
-    if is_url(args.out):
-        return True
-    return any(is_url(s) or any(is_tar(x) or _lists_urls(x, args) for x in expand_braces(s))
-               for s in args.inputs)
-
-
-def _lists_urls(path: str, args) -> bool:
-    """A local list or path table with a URL in it."""
-    from .inputs import InputError, listed_paths
-
-    try:
-        names = listed_paths(path, getattr(args, "path_column", "path"))
-    except (OSError, InputError):
-        return False  # the plain run names the problem
-    return any(is_url(n) for n in names or ())
+#: The layout of a sharded run's ``.npy`` output: one ``[rows, ...]`` array per layer
+#: and shard (not :mod:`.sinks.npy`'s file per image).
+NPY_STACK = "npy-stack"
 
 
 @dataclass
@@ -101,11 +65,13 @@ class ShardIncomplete(Exception):
 
 
 class ShardOutput:
-    """The output folder of a sharded run: a Parquet dataset (``.parquet``) or a folder
-    of ``.npy`` parts (anything else), local or remote."""
+    """The output folder of a sharded run: a Parquet dataset (``.parquet``) or an npy
+    stack (anything else), local or remote."""
 
     def __init__(self, out: str, meta: dict, storage_options: dict | None = None) -> None:
-        self.fmt = format_of(out)
+        fmt = format_of(out)
+        #: "parquet" or :data:`NPY_STACK`
+        self.fmt = NPY_STACK if fmt == "npy" else fmt
         if self.fmt == "h5":
             raise OutputError("a sharded run writes a .parquet dataset or a .npy folder "
                               "(many workers share one --out), not .h5")
@@ -166,7 +132,7 @@ class ShardOutput:
                     written[part] = os.path.getsize(local)
                     self.loc.put_file(local, part)
                 else:
-                    self._npy(rows, local)
+                    self._npy_stack(rows, local)
                     for f in sorted(os.listdir(local)):
                         written[f"{sid}/{f}"] = os.path.getsize(os.path.join(local, f))
                     self.loc.put_tree(local, sid)
@@ -198,7 +164,7 @@ class ShardOutput:
                            "sha256": ("string", [r[1] for r in rows])},
                     [r[2] for r in rows], self.meta)
 
-    def _npy(self, rows: list, folder: str) -> None:
+    def _npy_stack(self, rows: list, folder: str) -> None:
         os.makedirs(folder)
         with open(os.path.join(folder, "index.jsonl"), "w", encoding="utf-8") as fh:
             for i, r in enumerate(rows):
@@ -232,88 +198,3 @@ def _invalid_marker(text: bytes | None, shard: Shard, files: dict[str, int],
         if size is not None and files[name] != size:
             return f"its part file {name} has {files[name]} bytes, the marker says {size}"
     return None
-
-
-def extract_shard(client, shard: Shard, layers, opts: dict, *, model: str | None,
-                  retries: int = 5, window: int = 64, read: dict | None = None,
-                  budget: ByteBudget | None = None, watchdog: Watchdog | None = None
-                  ) -> tuple[list, list]:
-    """Every image of `shard` through one stream, then passes for retries (and after a
-    full byte budget). -> (rows [(id, sha256, features)], failures [(id, code,
-    message)]), in shard order.
-
-    Per-image UNAVAILABLE and overload answers are sent again (up to `retries` times,
-    after the server's hint or a backoff); when the stream fails as a whole, its
-    unanswered images are, and the shard's remaining images follow in the next pass.
-    Only the images in flight and the retries hold their bytes.
-    """
-    intake = Intake(entries(shard, **(read or {})), budget or ByteBudget())
-    watchdog = watchdog or Watchdog(None)
-    done: dict[int, tuple] = {}
-    todo: deque = deque()          # (pos, id, data, attempts) to send again
-    failed_passes = 0
-    try:
-        while True:
-            retry: list = []
-            sent: dict[str, tuple] = {}
-            ids: deque[str] = deque()
-
-            def images(sent=sent, ids=ids):
-                while True:
-                    if todo:
-                        pos, iid, data, att = todo.popleft()
-                    else:
-                        got = intake.next(may_wait=not sent)
-                        if got is None:
-                            return
-                        pos, iid, data = got
-                        att = 0
-                        if isinstance(data, errors.HookserveError):  # could not be read
-                            done[pos] = (iid, data)
-                            continue
-                    sid = f"{pos}#{att}"  # unique per stream, also for a retry
-                    sent[sid] = (pos, iid, data, att)
-                    ids.append(sid)
-                    yield data
-
-            answered = 0
-            try:
-                for r in extract_many(client, images(), layers, model=model,
-                                      ids=iter(ids.popleft, None), window=window,
-                                      watchdog=watchdog, **opts):
-                    answered += 1
-                    pos, iid, data, att = sent.pop(r.id)
-                    if r.error is not None and retryable(r.error) and att < retries:
-                        retry.append((r.error.retry_after_s or backoff(att + 1),
-                                      (pos, iid, data, att + 1)))
-                    else:
-                        intake.release(len(data))
-                        done[pos] = (iid, r.error if r.error is not None else
-                                     (hashlib.sha256(data).hexdigest(), r.features))
-            except errors.HookserveError as exc:
-                failed_passes = 0 if answered else failed_passes + 1
-                if exc.code not in RETRY_STREAM or failed_passes > retries:
-                    raise
-                for pos, iid, data, att in sent.values():  # unanswered: send again
-                    if att >= retries:
-                        intake.release(len(data))
-                        done[pos] = (iid, exc)
-                    else:
-                        retry.append((backoff(att + 1), (pos, iid, data, att + 1)))
-                if not retry:
-                    time.sleep(backoff(failed_passes))
-            if retry:
-                time.sleep(max(d for d, _ in retry))  # back off before the retry pass
-                todo.extend(item for _, item in sorted(retry, key=lambda x: x[1][0]))
-            elif intake.exhausted and not todo:
-                break
-    finally:
-        intake.close()
-    rows, fails = [], []
-    for pos in sorted(done):
-        iid, res = done[pos]
-        if isinstance(res, errors.HookserveError):
-            fails.append((iid, res.code.name, res.message))
-        else:
-            rows.append((iid, res[0], dict(res[1])))
-    return rows, fails

@@ -1,0 +1,1 @@
+"""hookserve beside LitServe and a KServe v2 gRPC model server (see README.md here)."""

@@ -1,0 +1,47 @@
+"""`hookserve batch`'s entry point: :func:`run` checks the flags and hands the run to
+the local run (:mod:`.local_run`: local files, one output) or the sharded run
+(:mod:`.sharded_run`: URLs, tars, Parquet image columns; one part per input shard)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import EXIT_CANNOT_PROCEED, Abort
+from .inputs import InputError, listed_paths
+from .limits import check_flags, return_freed_inputs
+from .local_run import run_local
+from .readers import is_tar
+from .remote import expand_braces, is_url
+from .sharded_run import run_sharded
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `hookserve batch` as `args` say; returns the exit code."""
+    return_freed_inputs()
+    try:
+        check_flags(args)
+        return run_sharded(args) if wants_shards(args) else run_local(args)
+    except Abort as exc:
+        print(f"hookserve batch: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_PROCEED
+
+
+def wants_shards(args: argparse.Namespace) -> bool:
+    """Whether `args` describe a sharded run: an input is a URL, a tar or a list of
+    URLs, ``--image-column`` is given, ``--out`` is a URL, or ``--sharded``."""
+    if getattr(args, "sharded", False) or getattr(args, "image_column", None):
+        return True
+    if is_url(args.out):
+        return True
+    return any(is_url(s) or any(is_tar(x) or _lists_urls(x, args) for x in expand_braces(s))
+               for s in args.inputs)
+
+
+def _lists_urls(path: str, args) -> bool:
+    """A local list or path table with a URL in it."""
+    try:
+        names = listed_paths(path, getattr(args, "path_column", "path"))
+    except (OSError, InputError):
+        return False  # the local run names the problem
+    return any(is_url(n) for n in names or ())

@@ -1,0 +1,105 @@
+"""What each call leaves behind: one log line (logs.py writes its fields as JSON or as
+text) and its metrics (by RPC, model, code and attribution method; per image, its
+code and bytes sent).
+
+The servicer opens `observed` around every RPC, notes the specs of a request stream
+as they pass (`noted`) and sends each image's answer through `answered`. No torch, no
+grpc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator
+
+from .attribution_spec import AttributionSpec
+from .spec import ExtractionSpec, ImageResult
+from .telemetry import Telemetry
+
+log = logging.getLogger("hookserve.calls")
+
+
+class _CallLine(dict):
+    """A call's log fields; as the record's message, their JSON (made only if used)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self)
+
+
+def call_stats() -> dict:
+    """What one work call's log line and metrics report, filled in as it runs."""
+    return {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
+
+
+class Calls:
+    """Logs and counts the calls of one server (`models`: the names it holds; the
+    first is the default)."""
+
+    def __init__(self, telemetry: Telemetry, models: Collection[str], default_model: str
+                 ) -> None:
+        self.telemetry = telemetry
+        self._models = models
+        self._default = default_model
+
+    def model_label(self, name: str) -> str:
+        """A model name fit for a metric label: unknown names collapse to "unknown"."""
+        name = name or self._default
+        return name if name in self._models else "unknown"
+
+    def note_spec(self, spec: ExtractionSpec | AttributionSpec, stats: dict) -> None:
+        """A spec's model and layers, for the log line and metrics (names are cut short:
+        they come from the client)."""
+        stats["model"] = self.model_label(spec.model)
+        if isinstance(spec, AttributionSpec):
+            stats["layers"] = [spec.layer[:100]] if spec.layer else []
+            stats["attribution_method"] = spec.method.label
+        else:
+            stats["layers"] = [layer.name[:100] for layer in spec.layers[:32]]
+
+    def noted(self, requests: Iterable, stats: dict) -> Iterator:
+        """Pass requests through, noting the latest spec (`note_spec`)."""
+        for req in requests:
+            if isinstance(req, (ExtractionSpec, AttributionSpec)):
+                self.note_spec(req, stats)
+            yield req
+
+    @contextlib.contextmanager
+    def observed(self, method: str, context, stats: dict):
+        """Count the call by RPC, model, code (and attribution method), and log one
+        line for it."""
+        t0 = time.monotonic()
+        code = "OK"
+        try:
+            yield stats
+        except GeneratorExit:  # the client went away mid-stream
+            code = "CANCELLED"
+            raise
+        except Exception as exc:
+            code = getattr(exc, "code", "INTERNAL")
+            raise
+        finally:
+            attribution = stats.get("attribution_method", "")
+            self.telemetry.call_done(method, stats.get("model", ""), code, attribution)
+            line = {"event": "call", "method": method, "peer": context.peer(), **stats,
+                    "seconds": round(time.monotonic() - t0, 4), "code": code}
+            log.info(_CallLine(line), extra={"fields": line})
+
+    def answered(self, result: ImageResult, stats: dict,
+                 messages: Callable[[ImageResult], Iterator]) -> Iterator:
+        """One image's answer messages (`messages(result)`; none for an error), counted."""
+        model = stats["model"]
+        stats["images"] += 1
+        if result.error is not None:
+            stats["failed"] += 1
+            self.telemetry.image_done(model, result.error.code)
+            return
+        t0 = time.perf_counter()
+        yield from messages(result)
+        nbytes = sum(o.nbytes for o in result.outputs or ())
+        stats["bytes"] += nbytes
+        self.telemetry.serialize_seconds(time.perf_counter() - t0)
+        self.telemetry.bytes_sent(model, nbytes)
+        self.telemetry.image_done(model, "OK")

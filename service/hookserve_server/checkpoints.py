@@ -1,0 +1,151 @@
+"""Weights files as users save them: a state_dict read without running code from the
+file, normalised, its classifier head's size read off, and checked against the model.
+
+- ``.safetensors`` is read with the ``safetensors`` package (never unpickled);
+  anything else with ``torch.load(weights_only=True)``.
+- A training checkpoint that nests the state_dict (``{"state_dict": ...}``,
+  ``{"model": ...}``, ``{"model_state_dict": ...}``) is unwrapped; the ``module.``
+  prefix of (Distributed)DataParallel and the ``_orig_mod.`` prefix of
+  ``torch.compile`` are dropped.
+- The number of classes comes from the checkpoint's head (`head_classes`): the model
+  is built with that many outputs, so a fine-tuned head loads; the backbone must match.
+- A pickled whole model is refused with one line that says how to save a state_dict.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+#: How to write a file hookserve loads, ending every weights-file error.
+SAVE_HINT = "save the weights alone with torch.save(model.state_dict(), PATH)"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: Keys under which training scripts nest the state_dict, tried in this order.
+NESTED_KEYS = ("state_dict", "model_state_dict", "model")
+#: Key prefixes added by wrappers: (Distributed)DataParallel, torch.compile.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def _load_error(path: Path, exc: Exception) -> str:
+    """torch.load's refusal as one line that says what to do. torch's own message is
+    many lines (with terminal colour codes) and suggests loading with weights_only=False,
+    which hookserve never does: it would run code from the file."""
+    text = _ANSI.sub("", str(exc))
+    if found := re.search(r"GLOBAL ([\w.]+)", text):
+        name = found.group(1)
+        what = f"a pickled {name}"
+        if ".nn." in name or ".models." in name:
+            what += " (a whole model, saved with torch.save(model))"
+        return (f"weights file {path} holds {what}, not a state_dict (a dict of tensors): "
+                f"hookserve runs no code from a weights file; {SAVE_HINT}")
+    if not zipfile.is_zipfile(path):
+        reason = "it is not a file torch.save writes"
+    elif found := re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S):
+        reason = found.group(1)
+    else:
+        reason = f"{type(exc).__name__}: {text}"
+    reason = " ".join(reason.split())[:200]
+    return f"could not load weights file {path} as a state_dict ({reason}); {SAVE_HINT}"
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ConfigError(f"weights file {path} is a .safetensors file and the safetensors "
+                          "package is not installed: pip install 'hookserve[server]' "
+                          "(or pip install safetensors)") from None
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:  # safetensors' own error type differs between versions
+        reason = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"could not load weights file {path} as safetensors ({reason}); "
+                          "write it with safetensors.torch.save_file(model.state_dict(), "
+                          "PATH)") from None
+
+
+def _is_tensor_dict(obj: object) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+
+
+def normalise(obj: object, path: Path) -> dict[str, torch.Tensor]:
+    """The state_dict in what a file held: unnested, wrapper prefixes dropped."""
+    if isinstance(obj, dict) and not _is_tensor_dict(obj):
+        for key in NESTED_KEYS:
+            if _is_tensor_dict(obj.get(key)):
+                obj = obj[key]
+                break
+    if not _is_tensor_dict(obj):
+        held = (f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"
+                if isinstance(obj, dict) else f"a {type(obj).__name__}")
+        raise ConfigError(f"weights file {path} holds {held}, not a state_dict (a dict of "
+                          f"tensors); {SAVE_HINT}")
+    for prefix in WRAPPER_PREFIXES:
+        if all(k.startswith(prefix) for k in obj):
+            obj = {k[len(prefix):]: v for k, v in obj.items()}
+    return obj
+
+
+def read_state_dict(path: Path, arch: str) -> dict[str, torch.Tensor]:
+    """The state_dict in a weights file (`normalise`d); ConfigError in one line."""
+    if not path.is_file():
+        raise ConfigError(f"weights file {path} does not exist (for model {arch})")
+    if path.suffix == SAFETENSORS_SUFFIX:
+        return normalise(_read_safetensors(path), path)
+    try:
+        with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(_load_error(path, exc)) from None
+    return normalise(obj, path)
+
+
+def head_keys(model: nn.Module, num_classes: int) -> list[str]:
+    """The state_dict keys of the layers whose outputs are the classes: every Linear
+    (or 1x1 Conv2d, as in squeezenet) with `num_classes` outputs, the last one last."""
+    keys = []
+    for path, mod in model.named_modules():
+        out = (mod.out_features if isinstance(mod, nn.Linear)
+               else mod.out_channels if isinstance(mod, nn.Conv2d) else None)
+        if out == num_classes:
+            keys += [f"{path}.{name}" for name, _ in mod.named_parameters(recurse=False)]
+    return keys
+
+
+def head_classes(sd: dict[str, torch.Tensor], keys: list[str]) -> int | None:
+    """The number of classes of a checkpoint: the leading size of its last head weight
+    (`head_keys` of the architecture); None when the checkpoint has no such key."""
+    weights = [k for k in keys if k.endswith(".weight") and k in sd and sd[k].ndim >= 1]
+    return int(sd[weights[-1]].shape[0]) if weights else None
+
+
+def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: str) -> None:
+    """Load `sd` strictly, or raise one line naming what does not match."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
+             for k in own if k in sd and sd[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing keys (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected keys (e.g. {', '.join(unexpected[:3])})")
+        if wrong:
+            parts.append(f"{len(wrong)} shape mismatches (e.g. {'; '.join(wrong[:3])})")
+        raise ConfigError(
+            f"{where} does not match architecture {arch}: " + "; ".join(parts)
+            + ". Is it the state_dict of a torchvision " + arch + "?"
+        )
+    model.load_state_dict(sd, strict=True)

@@ -1,0 +1,42 @@
+"""The engine's configuration: its limits and batching knobs, which `app.py` sets from
+`hookserve serve`'s flags (`hookserve_server/config.py`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    """Limits and batching knobs. Every size a client controls is bounded here."""
+
+    max_batch_size: int = 32
+    max_batch_delay_ms: float = 5.0
+    #: Cap on activation bytes (full, unreduced outputs of the requested layers) per batch.
+    max_batch_bytes: int = 1 << 30
+    #: Images admitted (being preprocessed or queued for the model) across all calls.
+    max_queue: int = 1024
+    #: How long an image waits for room in a full queue before RESOURCE_EXHAUSTED.
+    queue_wait_s: float = 2.0
+    #: Images of one stream admitted but not yet answered (backpressure beyond that).
+    max_inflight_per_stream: int = 64
+    #: Bytes of answers one stream may have reserved and not yet sent.
+    max_stream_buffer_bytes: int = 256 << 20
+    #: The same across all streams (--max-buffer-bytes).
+    max_buffer_bytes: int = 2 << 30
+    #: Estimated peak memory of the images being decoded and resized at once.
+    max_preprocess_bytes: int = 4 << 30
+    max_image_pixels: int = 50_000_000
+    #: Estimated response bytes for one image (all its layers, after reduction).
+    max_response_bytes: int = 1 << 30
+    max_layers: int = 256
+    max_input_side: int = 8192
+    preprocess_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))
+    #: Decode plain RGB JPEGs on the model's CUDA device (--gpu-decode); CPU otherwise.
+    gpu_decode: bool = False
+    #: Largest Attribute request, in forward-equivalents (AttributionSpec.cost) per image,
+    #: per batch and per call at once on the model's thread.
+    max_attribution_cost: int = 1024
+    #: Forward-equivalents of one Attribute pass; other work runs between passes.
+    attribution_pass_cost: int = 16

@@ -1,0 +1,241 @@
+"""One inference request through the engine: the same Session as Extract (batching,
+budgets, admission, deadline, cancel, drain), then one answer with every image's
+outputs stacked. Counts kept per model for ModelStatistics. No torch, no protobuf."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..errors import HookserveError, ModelNotFound, ResourceExhausted
+from ..spec import DType, ExtractionSpec, ImageResult
+from . import request as rq
+from .attribution import attribute, check_method
+from .labels import class_labels
+from .tensors import InferAnswer, OutTensor, pack_bytes, stack
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..servicer import Servicer
+
+VERSION = "1"
+
+
+@dataclass
+class ModelCounts:
+    """What ModelStatistics reports for one model (counts only rise)."""
+
+    success: int = 0
+    success_ns: int = 0
+    fail: int = 0
+    fail_ns: int = 0
+    inferences: int = 0
+    executions: int = 0
+    last_ms: int = 0
+
+
+@dataclass
+class Counts:
+    models: dict[str, ModelCounts] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, model: str, images: int, ok: bool, ns: int) -> None:
+        with self.lock:
+            c = self.models.setdefault(model, ModelCounts())
+            if ok:
+                c.success += 1
+                c.success_ns += ns
+                c.inferences += images
+                c.executions += 1
+            else:
+                c.fail += 1
+                c.fail_ns += ns
+            c.last_ms = int(time.time() * 1000)
+
+    def of(self, model: str) -> ModelCounts:
+        with self.lock:
+            c = self.models.get(model, ModelCounts())
+            return ModelCounts(**vars(c))
+
+
+class CallCancel:
+    """A call's cancel, pointed at the Session running now: `set` is what
+    Inference.infer is handed as `on_cancel`; calling the object cancels that Session,
+    or the next one at once if it comes later (a stream's, a request's whose client
+    went away before its Session began)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fn: Callable[[], None] | None = None
+        self._done = False
+
+    def set(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._fn = fn
+            done = self._done
+        if done:
+            fn()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._done = True
+            fn = self._fn
+        if fn is not None:
+            fn()
+
+
+class Inference:
+    """Runs InferCalls on the engine, observed and counted like the work RPCs."""
+
+    def __init__(self, engine: Engine, servicer: Servicer, answer_limit: int) -> None:
+        self.engine = engine
+        self.servicer = servicer
+        #: the largest answer (all images, all outputs): --max-stream-buffer-bytes
+        self.answer_limit = answer_limit
+        self.counts = Counts()
+
+    def model_names(self, name: str) -> tuple[str, str]:
+        """A model name as (served model, attribution method or "")."""
+        base, _, method = name.partition(".")
+        self.engine.get_model(base)
+        if method:
+            check_method(name, method)
+        return base, method
+
+    def check_version(self, version: str) -> None:
+        if version not in ("", VERSION):
+            raise ModelNotFound(f"model version {version[:20]!r}: hookserve serves "
+                                f"version {VERSION} of each model (or leave it empty)")
+
+    def infer(self, call: rq.InferCall, method: str, context,
+              on_cancel: Callable[[Callable[[], None]], object],
+              deadline: float | None, *, slot: bool = True) -> InferAnswer:
+        """The call's answer; a bad request or image raises its HookserveError.
+        `slot`: count the call in --max-streams (a stream's requests share its own).
+        `deadline` (the transport's) and the call's `timeout` parameter: the earlier
+        one ends it."""
+        if call.timeout_us:
+            own = time.monotonic() + call.timeout_us / 1e6
+            deadline = own if deadline is None else min(deadline, own)
+        stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
+        t0 = time.perf_counter_ns()
+        ok = known = False
+        try:
+            with self.servicer.calls.observed(method, context, stats), \
+                    (self.servicer.streams.work_slot(method) if slot else _no_slot()):
+                self.check_version(call.version)
+                base, attribution = self.model_names(call.model)
+                known = True  # counted from here: names from the network are not kept
+                stats["model"] = self.servicer.calls.model_label(base)
+                if attribution:
+                    answer = attribute(self, call, base, attribution, stats, on_cancel,
+                                       deadline)
+                else:
+                    answer = self._extract(call, base, stats, on_cancel, deadline)
+                ok = True
+                return answer
+        finally:
+            if known:
+                self.counts.record(call.model, stats["images"], ok,
+                                   time.perf_counter_ns() - t0)
+
+    def results(self, spec, images, stats: dict, on_cancel, deadline, input_name: str
+                ) -> list[ImageResult]:
+        """Every image's result, in order, through one Session; the first failed image
+        fails the call, naming its index; the answer's size is held to the limit."""
+        session = self.engine.session(deadline)
+        on_cancel(session.cancel)
+        run = (session.run_one(spec, images[0]) if len(images) == 1
+               else session.run(iter([spec, *images])))
+        model = stats["model"]
+        telemetry = self.engine.telemetry
+        out: list[ImageResult] = []
+        with contextlib.closing(run):
+            for result in run:
+                stats["images"] += 1
+                if result.error is not None:
+                    stats["failed"] += 1
+                    telemetry.image_done(model, result.error.code)
+                    raise _at_index(result.error, input_name, result.index, len(images))
+                nbytes = sum(o.nbytes for o in result.outputs or ())
+                stats["bytes"] += nbytes
+                if stats["bytes"] > self.answer_limit:
+                    raise ResourceExhausted(
+                        f"the answer is over {self.answer_limit} bytes, this server's "
+                        "limit for one answer (--max-stream-buffer-bytes): ask for fewer "
+                        "images or outputs, or a reduction (reduction=avg); or use "
+                        "hookserve's Extract stream (the SDK's Client.extract_many), "
+                        "which sends tensors in chunks")
+                telemetry.bytes_sent(model, nbytes)
+                telemetry.image_done(model, "OK")
+                out.append(result)
+        return out
+
+    def _extract(self, call: rq.InferCall, model: str, stats: dict, on_cancel,
+                 deadline) -> InferAnswer:
+        m = self.engine.get_model(model)
+        plans = rq.output_plans(call.outputs, logits_layer(m))
+        layers = rq.layer_specs(plans)
+        stats["layers"] = [layer.name[:100] for layer in layers[:32]]
+        spec = ExtractionSpec(model, layers, rq.preprocess(call.params))
+        rq.check_params(call.params, rq.GEOMETRY_PARAMETERS)
+        tensor = rq.image_input(call)
+        images = rq.images(tensor)
+        results = self.results(spec, images, stats, on_cancel, deadline, tensor.name)
+        outputs = []
+        for plan in plans:
+            per_image = [_output(r, plan.name) for r in results]
+            if plan.classification:
+                outputs.append(classify(plan, per_image, m.labels or class_labels(m.arch)))
+            else:
+                outputs.append(stack(plan.name, per_image))
+        return InferAnswer(call.model, call.id, outputs)
+
+
+@contextlib.contextmanager
+def _no_slot():
+    yield
+
+
+def logits_layer(m) -> str:
+    """The model's last layer (fc, classifier.6): what an empty `outputs` returns."""
+    return list(m.layer_table(*m.defaults.crop))[-1]
+
+
+def _at_index(err: HookserveError, input_name: str, index: int, n: int) -> HookserveError:
+    """An image's error as the call's, naming the image."""
+    return type(err)(f"{input_name}[{index}] (image {index + 1} of {n}): {err.message}",
+                     retry_after_s=err.retry_after_s)
+
+
+def _output(result: ImageResult, name: str):
+    return next(o for o in result.outputs if o.name == name)
+
+
+_UNPACK = {DType.FLOAT32: "f", DType.FLOAT16: "e"}
+
+
+def classify(plan: rq.OutPlan, per_image: list, labels: tuple[str, ...]) -> OutTensor:
+    """The top k values of each image as Triton's "value:index:label" BYTES [N, k]
+    (no label part where the model's classes have no names: `labels`, the model's own
+    or its architecture's ImageNet names, do not count one per value)."""
+    rows = []
+    for o in per_image:
+        values = _values(o)
+        k = min(plan.classification, len(values))
+        top = sorted(range(len(values)), key=lambda i: -values[i])[:k]
+        named = len(labels) == len(values)
+        rows.extend((f"{values[i]:f}:{i}:{labels[i]}" if named else f"{values[i]:f}:{i}"
+                     ).encode() for i in top)
+    k = min(plan.classification, len(rows) // max(len(per_image), 1))
+    return OutTensor(plan.name, "BYTES", (len(per_image), k), pack_bytes(rows))
+
+
+def _values(o) -> tuple[float, ...]:
+    size = 4 if o.dtype is DType.FLOAT32 else 2
+    return struct.unpack(f"<{len(o.data) // size}{_UNPACK[o.dtype]}", o.data)

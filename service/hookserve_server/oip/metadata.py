@@ -1,0 +1,66 @@
+"""What OIP clients discover: server and model metadata, model configuration, ready
+models, as plain dicts (the gRPC and REST adapters encode them). Each served model
+`m` is also `m.<method>` for each attribution method.
+
+Outputs of a model are its layers, each with its shape at the default input size;
+-1 stands for the batch (N) and for any size that follows the image.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as _dist
+from typing import TYPE_CHECKING
+
+from ..attribution_spec import Method
+from .attribution import OUTPUTS as ATTRIBUTION_OUTPUTS
+from .attribution import TARGET
+from .infer import VERSION
+from .request import IMAGE, PIXELS
+from .tensors import DATATYPES
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+#: The protocol extensions this server supports.
+EXTENSIONS = ("classification", "binary_tensor_data", "model_configuration",
+              "statistics")
+PLATFORM = "hookserve_pytorch"
+INPUTS = [{"name": IMAGE, "datatype": "BYTES", "shape": [-1]},
+          {"name": PIXELS, "datatype": "UINT8", "shape": [-1, -1, -1, 3]}]
+
+
+def server_version() -> str:
+    try:
+        return _dist.version("hookserve")
+    except _dist.PackageNotFoundError:
+        return "0"
+
+
+def server_metadata() -> dict:
+    return {"name": "hookserve", "version": server_version(),
+            "extensions": list(EXTENSIONS)}
+
+
+def model_names(engine: Engine) -> list[str]:
+    """Every name a request may use: each model, then `<model>.<method>`."""
+    return [*engine.models, *(f"{m}.{meth.label}" for m in engine.models
+                              for meth in Method)]
+
+
+def model_metadata(engine: Engine, name: str) -> dict:
+    """A model's inputs and outputs (`name` as `Inference.model_names` parsed it)."""
+    base, _, method = name.partition(".")
+    m = engine.get_model(base)
+    if method:
+        outputs = [{"name": "map", "datatype": "FP32", "shape": [-1, -1, -1, -1]},
+                   {"name": "logits", "datatype": "FP32", "shape": [-1, -1]},
+                   {"name": "top5", "datatype": "BYTES", "shape": [-1, 5]}]
+        assert [o["name"] for o in outputs] == list(ATTRIBUTION_OUTPUTS)
+        inputs = [*INPUTS, {"name": TARGET, "datatype": "INT64", "shape": [-1]}]
+    else:
+        table = m.layer_table(*m.defaults.crop)
+        outputs = [{"name": li.name, "datatype": DATATYPES[li.dtype],
+                    "shape": [-1, *li.shape]} for li in table.values()]
+        inputs = list(INPUTS)
+    return {"name": name, "versions": [VERSION], "platform": PLATFORM,
+            "inputs": inputs, "outputs": outputs}

@@ -1,0 +1,199 @@
+"""Protocol-neutral inference requests, and the one place their names and parameters
+become hookserve's domain objects (specs and images). The gRPC and REST adapters fill
+these types in; nothing past here reads protobuf or JSON.
+
+Inputs: `IMAGE` (BYTES [N], encoded images) or `INPUT__0` (UINT8 [N, H, W, 3], RGB
+pixels). Outputs are layer names; each output's parameters are `reduction`, `dtype`,
+`l2_normalize` and `classification` (k: the top k as "value:index:label" strings).
+The request parameter `timeout` (microseconds) is kept apart as the call's deadline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgument
+from ..spec import DType, ImageInput, LayerSpec, Mode, Preprocess, Reduction
+from .tensors import element_count, unpack_bytes
+
+IMAGE = "IMAGE"
+PIXELS = "INPUT__0"
+#: Per-output parameters; `binary_data` is the REST binary extension's, read there.
+OUTPUT_PARAMETERS = ("reduction", "dtype", "l2_normalize", "classification", "binary_data")
+#: Request parameters the protocol itself uses (sequences, priority, the REST binary
+#: extension): they are not hookserve's and are left alone.
+RESERVED = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+            "binary_data_output", "headers")
+#: Request parameters that set the preprocessing geometry.
+GEOMETRY_PARAMETERS = ("mode", "resize", "crop_height", "crop_width")
+
+
+@dataclass
+class InTensor:
+    """One input: raw contents (bytes), or typed elements (a list)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes | memoryview | list
+
+
+@dataclass
+class OutRequest:
+    name: str
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class InferCall:
+    model: str
+    version: str = ""
+    id: str = ""
+    inputs: list[InTensor] = field(default_factory=list)
+    outputs: list[OutRequest] = field(default_factory=list)
+    params: dict = field(default_factory=dict)
+    #: the protocol's `timeout` request parameter, in microseconds (0: none)
+    timeout_us: int = 0
+
+
+def timeout_of(params: dict) -> int:
+    """The `timeout` request parameter (microseconds; 0 or absent for none), which
+    tritonclient sends for infer(timeout=...)."""
+    us = as_int(params.get("timeout", 0), "request parameter timeout")
+    if us < 0:
+        raise InvalidArgument(f"request parameter timeout={us}: use microseconds (0 for "
+                              "none)")
+    return us
+
+
+def own_params(params: dict) -> dict:
+    """A request's parameters less the protocol's reserved ones."""
+    return {k: v for k, v in params.items()
+            if k not in RESERVED and not k.startswith("triton_")}
+
+
+@dataclass(frozen=True)
+class OutPlan:
+    """How one requested output is answered: the captured layer, and top k or all."""
+
+    name: str
+    layer: LayerSpec
+    classification: int = 0
+
+
+def _choice(enum_cls, value, what: str):
+    if isinstance(value, str) and value.upper() in enum_cls.__members__:
+        return enum_cls[value.upper()]
+    raise InvalidArgument(f"{what}={value!r}: use one of {enum_cls.labels()}")
+
+
+def _bool(value, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidArgument(f"{what}={value!r}: use true or false")
+
+
+def as_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgument(f"{what}={value!r}: use an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgument(f"{what}={value!r}: use an integer") from None
+
+
+def output_plans(outputs: list[OutRequest], logits: str) -> list[OutPlan]:
+    """Each requested output as the layer it captures (the logits when none is asked)."""
+    plans = []
+    for out in outputs or [OutRequest(logits)]:
+        p = out.params
+        unknown = sorted(set(p) - set(OUTPUT_PARAMETERS))
+        if unknown:
+            raise InvalidArgument(f"output {out.name[:100]!r}: unknown parameter "
+                                  f"{unknown[0]!r}: use {', '.join(OUTPUT_PARAMETERS[:4])}")
+        what = f"output {out.name[:100]!r}"
+        layer = LayerSpec(
+            out.name,
+            _choice(Reduction, p.get("reduction", "none"), f"{what}: reduction"),
+            _choice(DType, p.get("dtype", "float32"), f"{what}: dtype"),
+            _bool(p.get("l2_normalize", False), f"{what}: l2_normalize"))
+        k = as_int(p.get("classification", 0), f"{what}: classification")
+        if k < 0:
+            raise InvalidArgument(f"{what}: classification={k}: use a positive count")
+        if k and layer.dtype is DType.BFLOAT16:
+            raise InvalidArgument(f"{what}: classification needs dtype float32 or float16")
+        plans.append(OutPlan(out.name, layer, k))
+    names = [p.name for p in plans]
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise InvalidArgument(f"output {twice[:100]!r} is requested twice: name it once")
+    return plans
+
+
+def layer_specs(plans: list[OutPlan]) -> tuple[LayerSpec, ...]:
+    return tuple(p.layer for p in plans)
+
+
+def preprocess(params: dict) -> Preprocess:
+    what = "request parameter"
+    mode = _choice(Mode, params.get("mode", "default"), f"{what} mode")
+    return Preprocess(mode, *(as_int(params.get(k, 0), f"{what} {k}")
+                              for k in GEOMETRY_PARAMETERS[1:]))
+
+
+def image_input(call: InferCall) -> InTensor:
+    """The request's one image input, IMAGE or INPUT__0."""
+    images = [t for t in call.inputs if t.name in (IMAGE, PIXELS)]
+    others = [t.name[:100] for t in call.inputs if t.name not in (IMAGE, PIXELS, "TARGET")]
+    if others:
+        raise InvalidArgument(f"unknown input {others[0]!r}: send {IMAGE} (BYTES [N], "
+                              f"encoded images) or {PIXELS} (UINT8 [N, H, W, 3], pixels)")
+    if len(images) != 1:
+        raise InvalidArgument(f"send exactly one image input, {IMAGE} (BYTES [N], encoded "
+                              f"images) or {PIXELS} (UINT8 [N, H, W, 3], pixels); "
+                              f"got {len(images)}")
+    return images[0]
+
+
+def check_params(params: dict, allowed: tuple[str, ...], what: str = "") -> None:
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise InvalidArgument(f"unknown request parameter {unknown[0][:100]!r}{what}: use "
+                              f"{', '.join(allowed)}")
+
+
+def images(t: InTensor) -> list[ImageInput]:
+    """An IMAGE or INPUT__0 tensor as one ImageInput per image (at least one)."""
+    out = _images(t)
+    if not out:
+        raise InvalidArgument(f"{t.name} holds no image: send at least one")
+    return out
+
+
+def _images(t: InTensor) -> list[ImageInput]:
+    if t.name == IMAGE:
+        if t.datatype != "BYTES":
+            raise InvalidArgument(f"{IMAGE} is BYTES (encoded images), not {t.datatype}")
+        n = element_count(t.shape, IMAGE)
+        elements = (unpack_bytes(t.data, IMAGE) if not isinstance(t.data, list)
+                    else [bytes(e) for e in t.data])
+        if len(elements) != n:
+            raise InvalidArgument(f"{IMAGE}: shape {list(t.shape)} says {n} images, the "
+                                  f"contents hold {len(elements)}")
+        return [ImageInput("", encoded=e) for e in elements]
+    if t.datatype != "UINT8":
+        raise InvalidArgument(f"{PIXELS} is UINT8 [N, H, W, 3] pixels, not {t.datatype}")
+    if len(t.shape) != 4 or t.shape[3] != 3:
+        raise InvalidArgument(f"{PIXELS}: shape {list(t.shape)}: use [N, H, W, 3] "
+                              "(RGB pixels, row-major)")
+    n, h, w, _ = t.shape
+    data = bytes(t.data) if isinstance(t.data, list) else t.data
+    if len(data) != element_count(t.shape, PIXELS):
+        raise InvalidArgument(f"{PIXELS}: shape {list(t.shape)} needs {n * h * w * 3} "
+                              f"bytes, the contents hold {len(data)}")
+    size = h * w * 3
+    view = memoryview(data)
+    return [ImageInput("", raw=bytes(view[i * size:(i + 1) * size]), height=h, width=w)
+            for i in range(n)]

@@ -1,0 +1,119 @@
+"""`hookserve serve --models models.toml`: three models, two of one architecture with
+different weights, each with its own digest, labels and preprocessing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from hookserve_server.errors import ConfigError
+from hookserve_server.models import state_dict_digest
+
+from conftest import RunningServer, rand_image
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+MODELS_TOML = """
+[[model]]
+name = "r18-a"
+architecture = "resnet18"
+weights = "a.pt"
+
+[[model]]
+name = "r18-b"
+architecture = "resnet18"
+weights = "weights/b.safetensors"
+labels = "b.txt"
+dtype = "float32"
+device = "cpu"
+
+[[model]]
+name = "vgg"
+architecture = "vgg11"
+weights = "random"
+[model.preprocessing]
+resize = 80
+crop = [64, 72]
+mean = [0.5, 0.5, 0.5]
+std = [0.25, 0.25, 0.25]
+"""
+
+
+def _model(arch: str, seed: int, classes: int = 1000) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torchvision.models.get_model(arch, weights=None, num_classes=classes).eval()
+
+
+def _conv1(model: torch.nn.Module, name: str, img: np.ndarray, mean, std) -> np.ndarray:
+    x = torch.from_numpy(img.copy()).permute(2, 0, 1)[None].float() / 255
+    x = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    with torch.no_grad():
+        return model.get_submodule(name)(x)[0].numpy()
+
+
+def test_a_model_file_serves_three_models_with_their_own_digests(tmp_path):
+    a, b = _model("resnet18", 1), _model("resnet18", 2, classes=3)
+    torch.save(a.state_dict(), tmp_path / "a.pt")
+    (tmp_path / "weights").mkdir()
+    safetensors_torch.save_file(b.state_dict(), str(tmp_path / "weights" / "b.safetensors"))
+    (tmp_path / "b.txt").write_text("cat\ndog\nbird\n")
+    (tmp_path / "models.toml").write_text(MODELS_TOML)
+    s = RunningServer(["--models", str(tmp_path / "models.toml"), "--seed", "0",
+                       "--max-batch-delay-ms", "2"])
+    try:
+        img = rand_image(64, 64, seed=4)
+        big = rand_image(80, 80, seed=5)
+        with s.client(timeout=120) as c:
+            models = c.list_models()
+            vgg = c.describe("vgg")
+            got = {n: c.extract(img, ["conv1"], model=n, resize=64, crop=64)["conv1"]
+                   for n in ("r18-a", "r18-b")}
+            v = c.extract(big, ["features.0"], model="vgg")["features.0"]  # its own defaults
+            top = c.attribute(img, model="r18-b", resize=64, crop=64)
+    finally:
+        s.stop(2.0)
+    assert [(m.name, m.architecture) for m in models] == [
+        ("r18-a", "resnet18"), ("r18-b", "resnet18"), ("vgg", "vgg11")]
+    by = {m.name: m for m in models}
+    assert by["r18-a"].weights_digest == state_dict_digest(a.state_dict())
+    assert by["r18-b"].weights_digest == state_dict_digest(b.state_dict())
+    assert by["r18-a"].weights_digest != by["r18-b"].weights_digest
+    assert by["r18-b"].weights_name == "b.safetensors"
+    assert by["r18-b"].labels == ("cat", "dog", "bird") and by["r18-b"].num_classes == 3
+    assert by["r18-a"].labels == () and by["r18-a"].num_classes == 1000
+    assert by["vgg"].weights_source == "random"
+    # preprocessing in force: the file's for vgg, the weights' transforms() otherwise
+    assert (vgg.model.resize, vgg.model.crop) == (80, (64, 72)) and vgg.input_size == (64, 72)
+    assert vgg.model.mean == (0.5, 0.5, 0.5) and vgg.model.std == (0.25, 0.25, 0.25)
+    r18 = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
+    assert by["r18-a"].resize == r18.resize_size[0] and by["r18-a"].crop == (224, 224)
+    for name, ref in (("r18-a", a), ("r18-b", b)):
+        np.testing.assert_allclose(got[name], _conv1(ref, "conv1", img, by[name].mean,
+                                                     by[name].std), rtol=1e-4, atol=1e-4)
+    vgg_ref = _model("vgg11", 0)
+    assert by["vgg"].weights_digest == state_dict_digest(vgg_ref.state_dict())
+    crop = big[8:72, 4:76]  # 80x80 needs no resize; centre crop 64x72
+    np.testing.assert_allclose(v, _conv1(vgg_ref, "features.0", crop, (0.5,) * 3, (0.25,) * 3),
+                               rtol=1e-4, atol=1e-4)
+    assert top.label == ("cat", "dog", "bird")[top.target]
+
+
+@pytest.mark.parametrize("text,match", [
+    ('[[model]]\narchitecture = "resnet51"\n', "architecture 'resnet51' is not a torchvision"),
+    ('[[model]]\narchitecture = "resnet18"\nweights = "random"\n[[model]]\n'
+     'architecture = "resnet18"\nweights = "random"\n', "two models are named 'resnet18'"),
+    ('[[model]]\narchitecture = "resnet18"\nweigths = "random"\n', "unknown key 'weigths'"),
+    ('[[model]]\narchitecture = "resnet18"\nweights = "nope.pt"\n',
+     "weights 'nope.pt' is not a file"),
+    ('[[model]]\narchitecture = "resnet18"\n[model.preprocessing]\nstd = [1, 0, 1]\n',
+     "std must be three finite numbers"),
+    ('[[model]\n', "is not valid TOML"),
+    ('', "declares no model"),
+])
+def test_model_file_mistakes_are_one_line_before_loading(tmp_path, text, match):
+    (tmp_path / "models.toml").write_text(text)
+    with pytest.raises(ConfigError, match=match) as err:
+        RunningServer(["--models", str(tmp_path / "models.toml")], start=False)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,156 @@
+"""Users' own checkpoints: fine-tuned heads, .pt and .safetensors, nested and prefixed
+state_dicts, served over the wire and compared with forward hooks on the same
+checkpoint in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from hookserve_server.errors import ConfigError
+from hookserve_server.models import build_model, state_dict_digest
+
+from conftest import rand_image
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+#: architecture -> (layers compared, its head), fine-tuned to CLASSES classes.
+FINE_TUNED = {"resnet18": ("layer3", "fc"), "vgg11": ("features.10", "classifier.6")}
+CLASSES = 10
+SIDE = 64
+
+
+def fine_tuned(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A model as users fine-tune it: the torchvision architecture, a new 10-class head
+    (random init here, in place of training)."""
+    torch.manual_seed(seed)
+    return torchvision.models.get_model(arch, weights=None, num_classes=CLASSES).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[tuple[str, str], object]:
+    """(arch, suffix) -> path; each architecture saved as .pt and as .safetensors."""
+    d = tmp_path_factory.mktemp("own")
+    out = {}
+    for arch in FINE_TUNED:
+        sd = fine_tuned(arch).state_dict()
+        out[arch, ".pt"] = d / f"{arch}-10.pt"
+        torch.save(sd, out[arch, ".pt"])
+        out[arch, ".safetensors"] = d / f"{arch}-10.safetensors"
+        safetensors_torch.save_file(sd, str(out[arch, ".safetensors"]))
+    return out
+
+
+def hooked(model: torch.nn.Module, img: np.ndarray, layers, mean, std) -> dict:
+    """In-process reference: forward hooks on the named modules, normalised input."""
+    got = {}
+    handles = [model.get_submodule(name).register_forward_hook(
+        lambda m, a, out, name=name: got.__setitem__(name, out[0].detach().clone()))
+        for name in layers]
+    x = torch.from_numpy(img.copy()).permute(2, 0, 1)[None].float() / 255
+    x = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: v.numpy() for k, v in got.items()}
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_fine_tuned_checkpoints_serve_and_equal_in_process_hooks(make_server, checkpoints,
+                                                                 suffix):
+    s = make_server("--model", "resnet18", "--model", "vgg11", "--max-batch-delay-ms", "2",
+                    *(a for arch in FINE_TUNED
+                      for a in ("--weights", f"{arch}={checkpoints[arch, suffix]}")))
+    img = rand_image(SIDE, SIDE, seed=3)
+    with s.client(timeout=120) as c:
+        models = {m.name: m for m in c.list_models()}
+        for arch, layers in FINE_TUNED.items():
+            m = models[arch]
+            ref = fine_tuned(arch)
+            assert m.weights_source == "file"
+            assert m.weights_name == f"{arch}-10{suffix}"
+            assert m.weights_digest == state_dict_digest(ref.state_dict())
+            assert c.describe(arch, SIDE).layers[-1].shape == (CLASSES,)
+            got = c.extract(img, list(layers), model=arch, resize=SIDE, crop=SIDE)
+            want = hooked(ref, img, layers, m.mean, m.std)
+            for name in layers:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)
+            att = c.attribute(img, model=arch, layer=layers[0] if arch == "vgg11" else "layer4",
+                              resize=SIDE, crop=SIDE)
+            assert att.target == int(np.argmax(want[layers[1]]))
+            assert 0 <= att.target < CLASSES
+
+
+def _wrapped(sd: dict, how: str):
+    if how == "state_dict+module":
+        return {"epoch": 3, "state_dict": {f"module.{k}": v for k, v in sd.items()}}
+    if how == "model":
+        return {"epoch": 3, "model": sd, "optimizer": {"lr": torch.tensor(0.1)}}
+    if how == "model_state_dict":
+        return {"model_state_dict": sd}
+    return {f"_orig_mod.{k}": v for k, v in sd.items()}  # torch.compile
+
+
+@pytest.mark.parametrize("how", ["state_dict+module", "model", "model_state_dict",
+                                 "compiled"])
+def test_nested_and_prefixed_checkpoints_load(tmp_path, how):
+    ref = fine_tuned("resnet18", seed=4)
+    path = tmp_path / "ckpt.pth"
+    torch.save(_wrapped(ref.state_dict(), how), path)
+    model, info = build_model("resnet18", str(path))
+    assert info.num_classes == CLASSES and model.fc.out_features == CLASSES
+    assert info.digest == state_dict_digest(ref.state_dict())
+
+
+def test_prefixed_safetensors_load(tmp_path):
+    ref = fine_tuned("vgg11", seed=5)
+    path = tmp_path / "dp.safetensors"
+    safetensors_torch.save_file({f"module.{k}": v for k, v in ref.state_dict().items()},
+                                str(path))
+    model, info = build_model("vgg11", str(path))
+    assert info.num_classes == CLASSES and model.classifier[6].out_features == CLASSES
+    assert info.digest == state_dict_digest(ref.state_dict())
+
+
+@pytest.mark.parametrize("case,match", [
+    ("backbone", "does not match architecture resnet34: .*missing keys"),
+    ("truncated", "could not load weights file .* as safetensors"),
+])
+def test_backbone_mismatch_and_bad_safetensors_are_one_line(tmp_path, case, match):
+    if case == "backbone":  # a fine-tuned resnet18 served as a resnet34
+        path = tmp_path / "r18.pt"
+        torch.save(fine_tuned("resnet18").state_dict(), path)
+        arch = "resnet34"
+    else:
+        path = tmp_path / "cut.safetensors"
+        safetensors_torch.save_file(fine_tuned("resnet18").state_dict(), str(path))
+        path.write_bytes(path.read_bytes()[:1000])
+        arch = "resnet18"
+    with pytest.raises(ConfigError, match=match) as err:
+        build_model(arch, str(path))
+    assert "\n" not in str(err.value) and len(str(err.value)) < 600
+
+
+def test_pickled_whole_model_is_one_line_from_a_real_process(tmp_path):
+    path = tmp_path / "whole.pt"
+    torch.save(fine_tuned("resnet18"), path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKSERVE_")}
+    p = subprocess.run([sys.executable, "-m", "hookserve.cli", "serve", "--model", "resnet18",
+                        "--weights", str(path), "--device", "cpu", "--port", "0"],
+                       capture_output=True, text=True, timeout=240, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "a whole model" in lines[0]
+    assert "torch.save(model.state_dict(), PATH)" in lines[0]
