@@ -19,6 +19,7 @@ from hookserve_server.preprocess import decode
 from hookserve_server.spec import ImageInput
 
 from conftest import encode, rand_image
+from helpers import small_server
 
 LIMIT = 50_000_000
 
@@ -98,11 +99,17 @@ def test_formats_give_same_features_over_the_wire(client, img):
         np.testing.assert_array_equal(got, ref)
 
 
-def test_features_equal_torchvision_tensor_recipe_bit_for_bit(client):
-    """decode_image, then weights.transforms() on the uint8 tensor: equal bit for bit."""
+def test_features_equal_torchvision_tensor_recipe_bit_for_bit(client, make_server):
+    """decode_image, then weights.transforms() on the uint8 tensor: equal bit for bit.
+
+    The recipe's model runs contiguous (NCHW), so the bit-for-bit server does too
+    (`--memory-format contiguous`); the default server runs resnet channels_last
+    (`auto`), whose convolutions sum in another order: equal within float rounding."""
     data = encode(rand_image(150, 210, seed=7))
     layers = ["conv1", "layer2"]
-    got = client.extract(data, layers)
+    s = make_server(*small_server("--memory-format", "contiguous"))
+    with s.client(timeout=120) as contiguous:
+        got = contiguous.extract(data, layers)
     model, _ = build_model("resnet18", "random", 0)
     fe = create_feature_extractor(model.eval(), layers)
     x = ResNet18_Weights.IMAGENET1K_V1.transforms()(
@@ -111,6 +118,10 @@ def test_features_equal_torchvision_tensor_recipe_bit_for_bit(client):
         want = {k: v[0].numpy() for k, v in fe(x[None]).items()}
     for name in layers:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    auto = client.extract(data, layers)
+    for name in layers:
+        np.testing.assert_allclose(auto[name], want[name], rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
     # The PIL path (transforms on a PIL image) is a different recipe: close, not equal.
     xp = ResNet18_Weights.IMAGENET1K_V1.transforms()(Image.open(io.BytesIO(data)))
     with torch.inference_mode():

@@ -3,7 +3,8 @@
 The choice changes only how the weights and activations lie in memory, never what a
 client receives: every answer is made contiguous in the documented layout (CHW per
 image) before it leaves the device (`capture/reduce.py`), and channels_last results
-equal contiguous ones within float rounding (tests/test_execution_modes.py).
+equal contiguous ones within float rounding (tests/test_precision.py), so answers are
+bit for bit torchvision's only with `contiguous` (docs/limits.md).
 `auto` is channels_last wherever it was measured faster (docs/performance.md,
 "Execution modes"): every served architecture, on the CPU and on CUDA.
 """
