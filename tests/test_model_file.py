@@ -28,6 +28,7 @@ weights = "weights/b.safetensors"
 labels = "b.txt"
 dtype = "float32"
 device = "cpu"
+precision = "fp32"
 
 [[model]]
 name = "vgg"
@@ -83,6 +84,7 @@ def test_a_model_file_serves_three_models_with_their_own_digests(tmp_path):
     assert by["r18-b"].weights_name == "b.safetensors"
     assert by["r18-b"].labels == ("cat", "dog", "bird") and by["r18-b"].num_classes == 3
     assert by["r18-a"].labels == () and by["r18-a"].num_classes == 1000
+    assert by["r18-b"].precision == by["r18-a"].precision == "fp32"
     assert by["vgg"].weights_source == "random"
     # preprocessing in force: the file's for vgg, the weights' transforms() otherwise
     assert (vgg.model.resize, vgg.model.crop) == (80, (64, 72)) and vgg.input_size == (64, 72)
@@ -109,6 +111,10 @@ def test_a_model_file_serves_three_models_with_their_own_digests(tmp_path):
      "weights 'nope.pt' is not a file"),
     ('[[model]]\narchitecture = "resnet18"\n[model.preprocessing]\nstd = [1, 0, 1]\n',
      "std must be three finite numbers"),
+    ('[[model]]\narchitecture = "resnet18"\nprecision = "fp64"\n',
+     "resnet18=fp64: 'fp64' is not a precision"),
+    ('[[model]]\narchitecture = "resnet18"\nweights = "random"\nprecision = "fp16"\n',
+     "fp16 for resnet18: fp16 runs on CUDA devices only"),
     ('[[model]\n', "is not valid TOML"),
     ('', "declares no model"),
 ])

@@ -87,7 +87,9 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     `preflight`, when already done)."""
     pre = pre or preflight(args)
     names, weights, device, options = check(args, pre)
-    precisions = precision.per_model(names, args.precision or [])
+    precisions = precision.per_model(names, [  # a model file's entry wins over the flag
+        *(args.precision or []), *(f"{e.name}={e.precision}" for e in pre.entries
+                                   if e.precision)])
     devices = {e.name: resolve_device(e.device) if e.device else device for e in pre.entries}
     for e in pre.entries:  # every model's precision before any model loads
         precision.check(precisions[e.name], devices[e.name], e.dtype or args.dtype, e.name)

@@ -7,6 +7,8 @@
     labels = "xray-classes.txt"     # optional: one class name a line
     dtype = "float16"               # optional: float32 | float16 | bfloat16 (--dtype)
     device = "cuda:0"               # optional: auto | cpu | cuda:N (--device)
+    precision = "fp32"              # optional: fp32 | bf16 | fp16 (--precision; the
+                                    # last two autocast, with dtype float32 only)
     [model.preprocessing]           # optional: each key overrides the weights' transforms()
     resize = 256
     crop = 224                      # or [height, width]
@@ -30,7 +32,8 @@ from .config import WEIGHT_CHOICES, known_architecture
 from .errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
-KEYS = {"name", "architecture", "weights", "labels", "dtype", "device", "preprocessing"}
+KEYS = {"name", "architecture", "weights", "labels", "dtype", "device", "precision",
+        "preprocessing"}
 PREPROCESSING_KEYS = {"resize", "crop", "mean", "std"}
 
 
@@ -44,6 +47,8 @@ class ModelEntry:
     labels: Path | None = None
     dtype: str | None = None      # None: --dtype
     device: str | None = None     # None: --device
+    #: None: --precision (checked with it, in precision.py, once torch is loaded)
+    precision: str | None = None
     #: Preprocessing overrides: resize, crop (h, w), mean, std (None: the weights').
     resize: int | None = None
     crop: tuple[int, int] | None = None
@@ -112,11 +117,12 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"{where}: dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     device = _string(t["device"], "device", where) if "device" in t else None
+    prec = _string(t["precision"], "precision", where) if "precision" in t else None
     pre = t.get("preprocessing", {})
     if not isinstance(pre, dict) or set(pre) - PREPROCESSING_KEYS:
         raise ConfigError(f"{where}: preprocessing takes the keys "
                           f"{', '.join(sorted(PREPROCESSING_KEYS))}")
-    return ModelEntry(name, arch, weights, labels, dtype, device,
+    return ModelEntry(name, arch, weights, labels, dtype, device, prec,
                       resize=_side(pre["resize"], "resize", where) if "resize" in pre else None,
                       crop=_crop(pre["crop"], where) if "crop" in pre else None,
                       mean=_triple(pre["mean"], "mean", where) if "mean" in pre else None,
