@@ -437,8 +437,8 @@ OOM_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from conftest import RunningServer
     from helpers import small_server
-    # The cap below is sized from the contiguous forward's activations: channels_last on
-    # the CPU takes more room per image (the convolutions' reorders), so it runs contiguous.
+    # The cap below is sized from the contiguous forward's activations (channels_last on
+    # the CPU takes more room per image: the convolutions' reorders).
     s = RunningServer([*small_server(models=("vgg11",)), "--max-batch-size", "16",
                        "--max-batch-delay-ms", "3000", "--preprocess-workers", "2",
                        "--memory-format", "contiguous"])

@@ -226,10 +226,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--memory-format", default="auto", choices=["auto", "channels_last",
                                                         "contiguous"],
          help="layout of the models' weights and activations: channels_last (NHWC) or "
-              "contiguous (NCHW); auto: channels_last where measured faster "
-              "(docs/performance.md). Answers are returned in the same layout either way; "
-              "contiguous gives torchvision's features bit for bit, channels_last within "
-              "float rounding")
+              "contiguous (NCHW); auto: channels_last for ResNet and VGG on CUDA, where "
+              "measured faster; contiguous on the CPU, where channels_last is faster "
+              "for batches but slower for one image (docs/performance.md). Answers are "
+              "returned in the same layout either way; contiguous gives torchvision's "
+              "features bit for bit, channels_last within float rounding")
     _add(g, "--precision", default=["fp32"], repeat=True, metavar="PREC",
          help="fp32 | bf16 | fp16 for every model, or MODEL=PREC for one (repeatable): "
               "bf16/fp16 run the Extract forward under autocast with float32 weights; "
