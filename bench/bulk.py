@@ -36,9 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import HOOKSERVE_PORT_RE, RESULTS, Proc, jpeg
+from common import HOOKSERVE_PORT_RE, RESULTS, Proc, hookserve_exe, jpeg
 
-HOOKSERVE = str(Path(sys.executable).with_name("hookserve"))
+HOOKSERVE = hookserve_exe()
 LAYERS = ["--layers", "layer4:avg", "--resize", "64", "--crop", "64", "--no-progress"]
 
 

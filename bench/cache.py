@@ -19,11 +19,9 @@ import random
 import shutil
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-from common import HOOKSERVE_PORT_RE, POOLED, Proc, jpeg, pct
+from common import HOOKSERVE_PORT_RE, POOLED, Proc, hookserve_exe, jpeg, pct
 
 import hookserve
 
@@ -37,8 +35,7 @@ def stream(round_: int, n: int) -> list[bytes]:
 
 
 def serve(a, *extra: str) -> Proc:
-    exe = Path(sys.executable).with_name("hookserve")  # the venv's (bench/common.py)
-    argv = [str(exe) if exe.exists() else "hookserve", "serve", "--host", "127.0.0.1",
+    argv = [hookserve_exe(), "serve", "--host", "127.0.0.1",
             "--port", "0", "--weights", "random", "--seed", "0", "--device", "cpu",
             "--model", a.model, *extra]
     return Proc("hookserve", argv, HOOKSERVE_PORT_RE)

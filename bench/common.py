@@ -128,10 +128,15 @@ class Proc:
 HOOKSERVE_PORT_RE = r"hookserve listening on \S+:(\d+)"
 
 
+def hookserve_exe() -> str:
+    """The `hookserve` command of this Python's venv, else the one on PATH."""
+    exe = Path(sys.executable).with_name("hookserve")
+    return str(exe) if exe.exists() else "hookserve"
+
+
 def hookserve_argv(models: list[str], a: argparse.Namespace, *extra: str) -> list[str]:
     """`hookserve serve` on 127.0.0.1:0 with random seeded weights and the bench's flags."""
-    exe = Path(sys.executable).with_name("hookserve")
-    argv = [str(exe) if exe.exists() else "hookserve", "serve", "--host", "127.0.0.1",
+    argv = [hookserve_exe(), "serve", "--host", "127.0.0.1",
             "--port", "0", "--weights", "random", "--seed", "0", "--device", a.device,
             "--dtype", a.dtype, "--max-batch-size", str(a.batch),
             "--max-batch-delay-ms", str(a.delay_ms), *extra]

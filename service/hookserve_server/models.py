@@ -221,6 +221,8 @@ class ServedModel:
         self.weights = weights
         #: Class names in index order (labels.py); () when the classes have none.
         self.labels = labels
+        #: sha256 of the class names, for the answer cache's key (cache/key.py)
+        self.labels_digest = hashlib.sha256("\n".join(labels).encode()).digest()
         self.device = device
         self.dtype = DType[dtype.upper()]
         self.torch_dtype = DTYPES[self.dtype]

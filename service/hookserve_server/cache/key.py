@@ -60,8 +60,7 @@ def image_digest(image: ImageInput) -> bytes:
 
 def model_part(m: ServedModel, gpu_decode: bool = False) -> tuple:
     """What computes the answer: a different entry means a different key."""
-    labels = hashlib.sha256("\n".join(m.labels).encode()).digest()
-    return (m.arch, m.weights.digest, labels, m.dtype.name, m.precision.value,
+    return (m.arch, m.weights.digest, m.labels_digest, m.dtype.name, m.precision.value,
             m.channels_last, m.device.type, *VERSIONS, gpu_decode and m.device.type == "cuda")
 
 

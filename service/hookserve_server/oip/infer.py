@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..calls import call_stats
 from ..errors import HookserveError, ModelNotFound, ResourceExhausted
 from ..spec import DType, ExtractionSpec, ImageResult
 from . import request as rq
@@ -122,12 +123,13 @@ class Inference:
         if call.timeout_us:
             own = time.monotonic() + call.timeout_us / 1e6
             deadline = own if deadline is None else min(deadline, own)
-        stats = {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
+        stats = call_stats()
         t0 = time.perf_counter_ns()
         ok = known = False
         try:
             with self.servicer.calls.observed(method, context, stats), \
-                    (self.servicer.streams.work_slot(method) if slot else _no_slot()):
+                    (self.servicer.streams.work_slot(method) if slot
+                     else contextlib.nullcontext()):
                 self.check_version(call.version)
                 base, attribution = self.model_names(call.model)
                 known = True  # counted from here: names from the network are not kept
@@ -195,11 +197,6 @@ class Inference:
             else:
                 outputs.append(stack(plan.name, per_image))
         return InferAnswer(call.model, call.id, outputs)
-
-
-@contextlib.contextmanager
-def _no_slot():
-    yield
 
 
 def logits_layer(m) -> str:
