@@ -243,3 +243,41 @@ def test_warm_compiles_at_start_up_and_metrics_count(make_server, images):
         assert line in text
     assert "hookserve_compile_seconds_total " in text
     assert "hookserve_compiled_graph_bytes " in text
+
+
+def test_inductor_freezes_the_graph(make_server, images):
+    """The graph is compiled with freezing (batch norm folded into the convolutions,
+    oneDNN's packed weights): without it a compiled CPU graph runs at eager's speed.
+    Inductor counts the folds it makes; a compile without freezing makes none."""
+    before = counters["inductor"]["binary_folding"]
+    s = make_server("--model", "resnet18", "--weights", "random", "--compile", "auto",
+                    "--warm", "resnet18=relu@64x64")
+    settle(s)
+    assert stats(s).compiles == 1 and stats(s).failures == 0
+    assert counters["inductor"]["binary_folding"] > before
+    eager = make_server("--model", "resnet18", "--weights", "random")
+    want = extract(eager, "resnet18", ["relu"], images[:1], native=True)
+    hits = stats(s).hits
+    assert_same(extract(s, "resnet18", ["relu"], images[:1], native=True), want)
+    assert stats(s).hits == hits + 1
+
+
+def test_a_compile_leaves_no_thread_behind(make_server, images):
+    """Each compile runs on a thread that ends with it: the thread that runs a graph's
+    warm-up pass keeps an OpenMP team while it lives, and a second team beside the
+    model thread's slows every forward pass where threads match cores."""
+    ran_on: list[threading.Thread] = []
+
+    def recording(gm, example_inputs):   # a torch.compile backend: no code generation
+        ran_on.append(threading.current_thread())
+        return gm.forward
+
+    s = make_server("--model", "resnet18", "--weights", "random")
+    s.engine.compile_graphs(CompileSettings("auto", after=1, backend=recording))
+    for layers in (["relu"], ["layer1"]):
+        compile_now(s, "resnet18", layers, images[:1], native=True)
+    assert stats(s).compiles == 2 and len(ran_on) == 2
+    assert ran_on[0] is not ran_on[1]
+    for t in ran_on:
+        t.join(60)   # the result is recorded just before its thread returns
+        assert not t.is_alive(), t.name

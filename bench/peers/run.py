@@ -51,14 +51,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 WORK = {"pooled": ("resnet50", "layer4", "avg"), "big": ("vgg16", "features.0", "none")}
 #: --modes: hookserve execution modes, each its own server (docs/performance.md)
+#: the layer sets a compiled mode compiles at start-up: the pooled work at each batch
+#: bucket 8 clients make, the big work at the buckets --big-clients make
+WARM = [x for b in (1, 2, 4, 8) for x in ("--warm", f"resnet50=layer4#{b}")] + [
+    x for b in (1, 2) for x in ("--warm", f"vgg16=features.0#{b}")]
 MODES = {
     "default": [],
     "eager": ["--memory-format", "contiguous"],
     "cl": ["--memory-format", "channels_last"],
-    "compiled": ["--memory-format", "channels_last", "--compile", "auto",
-                 "--compile-after", "2", *(x for b in (1, 2, 4, 8)
-                                           for x in ("--warm", f"resnet50=layer4#{b}"))],
+    "compiled": ["--memory-format", "channels_last", "--compile", "auto", *WARM],
     "bf16": ["--precision", "bf16", "--memory-format", "channels_last"],
+    "compiled-bf16": ["--precision", "bf16", "--memory-format", "channels_last",
+                      "--compile", "auto", *WARM],
 }
 
 
@@ -113,7 +117,7 @@ def start(a: argparse.Namespace, which: set[str], say) -> tuple[dict, dict]:
         if warm:
             say(f"  {name}: waiting for its {warm} start-up compiles (it serves meanwhile)")
             t0 = time.perf_counter()
-            p.wait_lines(("compiled resnet50", "serving it eagerly"), warm)
+            p.wait_lines(("compiled resnet50", "compiled vgg16", "serving it eagerly"), warm)
             a.compile_seconds = time.perf_counter() - t0
     if "litserve" in which:
         say("starting LitServe")

@@ -14,10 +14,12 @@ and rows of a batch never mix in eval mode), the input size is exact
 - **When to compile.** A key is queued for compiling at its `after`-th batch
   (`--compile-after`, default 2: a layer set seen once is not worth a compile), or at
   start-up for each `--warm` entry. The model's thread traces the graph (torch.fx,
-  a fraction of a second, over a copy of the model); one background thread compiles
-  it, one key at a time, with inductor and freezing, and runs the new graph's first
-  call itself, with the model thread's OpenMP thread count (torch.compile guards on
-  it: a graph compiled under another count would recompile on its first batch).
+  a fraction of a second, over a copy of the model); one background thread takes
+  the keys one at a time and compiles each on a thread of its own that ends with the
+  compile (so no second OpenMP team outlives it), with inductor and freezing; that
+  thread runs the new graph's first call, with the model thread's OpenMP thread count
+  (torch.compile guards on it: a graph compiled under another count would recompile
+  on its first batch).
 - **Bounds.** Compiles are bounded by the keys: at most (buckets) x (input sizes seen
   `after` times) per layer set. Ready graphs are kept in an LRU of at most
   `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory (the
@@ -245,24 +247,22 @@ class CompiledGraphs:
 
     # -- the compile thread ------------------------------------------------------------
     def _compile_loop(self) -> None:
-        # This thread keeps the OpenMP thread count the model's thread has (the
-        # process default): torch.compile's guards include it, and a graph compiled
-        # under another count would be compiled again by its first batch, on the
-        # model's thread. The price: the compile's one warm-up pass runs a second
-        # OpenMP team beside the model's.
-        if self.settings.backend == "inductor":
-            import torch._inductor.config as inductor
-
-            # one compiler process beside the serving threads, not one per core
-            inductor.compile_threads = 1
         while (job := self._todo.get()) is not None:
             model, key, gm = job
             t0 = time.perf_counter()
-            try:
-                with self._busy:
-                    fn, nbytes = self._compile(model, key, gm)
-            except Exception as exc:  # the layer set is served eagerly from now on
-                fn, nbytes = None, 0
+            # Each compile runs on a thread of its own that ends with it. The compile's
+            # warm-up pass starts an OpenMP team on the thread that runs it, and libgomp
+            # keeps a team until its thread ends; while a second team lives beside the
+            # model thread's, the process has more OpenMP threads than cores and libgomp
+            # cuts every team's spin: the compiled resnet50 `layer4` graph fell from 49
+            # to 44 img/s at batch 1 (2 cores) with an idle second team alive.
+            done: list = []
+            worker = threading.Thread(target=self._compile_job, args=(model, key, gm, done),
+                                      daemon=True, name="hookserve-compile-job")
+            worker.start()
+            worker.join()
+            fn, nbytes, exc = done[0] if done else (None, 0, RuntimeError("compile ended"))
+            if exc is not None:   # the layer set is served eagerly from now on
                 log.warning("compiling %s %s failed; serving it eagerly: %s: %s", key[0],
                             [_name(p) for p in key[1]], type(exc).__name__,
                             " ".join(str(exc).split())[:300])
@@ -287,6 +287,32 @@ class CompiledGraphs:
                 self._lock.notify_all()
             job = model = fn = gm = None
 
+    def _compile_job(self, model: ServedModel, key, gm, done: list) -> None:
+        """(On a compile job's own thread) compile `key`'s graph; append
+        (fn, bytes, None) or (None, 0, the exception) to `done`."""
+        # This thread keeps the OpenMP thread count the model's thread has (the
+        # process default): torch.compile's guards include it, and a graph compiled
+        # under another count would be compiled again by its first batch, on the
+        # model's thread.
+        if self.settings.backend == "inductor":
+            import torch._inductor.config as inductor
+
+            # inductor's settings are per thread: these hold for this compile only.
+            # One compiler process beside the serving threads, not one per core.
+            inductor.compile_threads = 1
+            # Freezing (weights folded into the graph as constants, batch norm folded
+            # into the convolutions, oneDNN's packed weights) is what makes the graph
+            # faster than eager on a CPU: 49 against 32 img/s for resnet50 `layer4` at
+            # batch 1 (docs/performance.md). torch.compile's `options={"freezing": True}`
+            # does not turn it on (torch 2.14: the graph compiles unfrozen, at eager's
+            # speed); the setting on the compiling thread does.
+            inductor.freezing = True
+        try:
+            with self._busy:
+                done.append((*self._compile(model, key, gm), None))
+        except Exception as exc:
+            done.append((None, 0, exc))
+
     def _compile(self, model: ServedModel, key, gm):
         _, points, rows, (h, w) = key
         if isinstance(gm, Exception):
@@ -294,8 +320,7 @@ class CompiledGraphs:
         if gm is None:
             raise ValueError("one captured module contains another")
         s = self.settings
-        options = {"freezing": True} if s.backend == "inductor" else None
-        fn = torch.compile(gm, backend=s.backend, dynamic=False, options=options)
+        fn = torch.compile(gm, backend=s.backend, dynamic=False)
         x = torch.zeros((rows, 3, h, w), dtype=model.torch_dtype, device=model.device)
         with torch.inference_mode(), autocast(model.precision, model.device):
             fn(to_bucket(x, rows, model.channels_last))   # compiles here
