@@ -31,6 +31,7 @@ MODES = {
     "compiled_cl": (torch.float32, True, True, False),
     "bf16_autocast": (torch.float32, False, False, True),
     "bf16_autocast_cl": (torch.float32, True, False, True),
+    "bf16_compiled": (torch.float32, False, True, True),
     "fp16": (torch.float16, False, False, False),
     "fp16_cl": (torch.float16, True, False, False),
     "fp16_compiled_cl": (torch.float16, True, True, False),
@@ -54,6 +55,9 @@ def build(arch: str, layer: str, mode: str, device: torch.device):
     if compiled:
         if device.type == "cpu":
             import torch._inductor.config as ic
+
+            # inductor's settings are per thread; this thread compiles (on its first
+            # call). torch.compile(options={"freezing": True}) would not freeze.
             ic.freezing = True
         # "reduce-overhead" replays CUDA graphs (CUDA only).
         fn = torch.compile(m, mode=compiled if isinstance(compiled, str) else None)

@@ -190,22 +190,25 @@ def graphs_of(make_server, **settings):
 def test_bucketing_bounds_compiles(make_server):
     graphs, run = graphs_of(make_server)
     for n in (1, 2, 3, 4, 5, 6, 7, 8, 3, 5, 1, 8):
-        for h, w in [(32, 32), (40, 48)]:
+        for h, w in [(32, 32), (40, 48), (56, 56), (64, 40)]:
             run(n, h, w)
     keys = graphs.stats.compiled_keys
-    # 8 batch sizes x 2 input sizes: 4 buckets x 2 sizes, each compiled once
+    # 8 batch sizes x 4 input sizes: 4 buckets x the first 2 sizes (--compile-max-sizes),
+    # each compiled once; the other two sizes stay eager
     assert {k[2] for k in keys} == {1, 2, 4, 8}
+    assert {k[3] for k in keys} == {(32, 32), (40, 48)}
     assert graphs.stats.compiles == 8 == len(set(keys))
     assert graphs.stats.hits == 24 - 8 and graphs.stats.evictions == 0
+    assert graphs.stats.eager == 8 + 24
 
 
 def test_the_cache_bound_holds(make_server):
-    graphs, run = graphs_of(make_server, max_graphs=2)
+    graphs, run = graphs_of(make_server, max_graphs=2, max_sizes=8)
     for h in (32, 40, 48, 32):
         run(1, h, h)
     assert graphs.stats.compiles == 4 and graphs.stats.evictions == 2
     assert len(graphs._graphs) == 2
-    graphs, run = graphs_of(make_server, max_bytes=1)   # one graph is always kept
+    graphs, run = graphs_of(make_server, max_bytes=1, max_sizes=8)   # one graph is kept
     for h in (32, 40):
         run(2, h, h)
     assert graphs.stats.evictions == 1 and len(graphs._graphs) == 1

@@ -126,7 +126,8 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     engine = Engine(models, cfg, telemetry, cache=build_cache(args, telemetry))
     engine.compile_graphs(CompileSettings(
         args.compile, args.compile_after, args.compile_max_graphs, args.compile_max_bytes,
-        tuple(parse_warm(w) for w in args.warm or []), args.compile_backend))
+        tuple(parse_warm(w) for w in args.warm or []), args.compile_backend,
+        args.compile_max_sizes))
     return engine, create_server(engine, options), telemetry
 
 

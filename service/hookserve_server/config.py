@@ -248,6 +248,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="with --compile auto: compile at start-up (in the background) "
               "MODEL=LAYER[+LAYER...][@HxW][#BATCH], e.g. resnet50=layer4+layer3:input; "
               "size: the model's default crop, batch: 1 (repeatable); unset: none")
+    _add(g, "--compile-max-sizes", default=2, type=int, metavar="N",
+         help="with --compile auto: input sizes (height x width) compiled per layer set, "
+              "the first N to become due; batches of other sizes stay eager")
     _add(g, "--compile-max-graphs", default=8, type=int, metavar="N",
          help="compiled graphs kept, least recently used dropped first")
     _add(g, "--compile-max-bytes", default="2GiB", type=byte_size, metavar="SIZE",

@@ -221,7 +221,8 @@ def check_ranges(args: argparse.Namespace) -> None:
                 "max_preprocess_bytes", "max_image_pixels", "max_response_bytes",
                 "max_input_side", "preprocess_workers", "max_message_bytes", "chunk_bytes",
                 "max_side_streams", "max_attribution_cost",
-                "attribution_pass_cost", "compile_after", "compile_max_graphs")
+                "attribution_pass_cost", "compile_after", "compile_max_graphs",
+                "compile_max_sizes")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")

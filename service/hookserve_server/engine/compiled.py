@@ -20,8 +20,9 @@ and rows of a batch never mix in eval mode), the input size is exact
   thread runs the new graph's first call, with the model thread's OpenMP thread count
   (torch.compile guards on it: a graph compiled under another count would recompile
   on its first batch).
-- **Bounds.** Compiles are bounded by the keys: at most (buckets) x (input sizes seen
-  `after` times) per layer set. Ready graphs are kept in an LRU of at most
+- **Bounds.** Compiles are bounded by the keys: at most (buckets) x `max_sizes`
+  (`--compile-max-sizes`, default 2: the first input sizes to become due) per layer
+  set; batches of any other size stay eager. Ready graphs are kept in an LRU of at most
   `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory (the
   weights the graph holds); the least recently used graph is dropped first.
 - **Failures.** A layer set whose graph cannot be built or compiled is served eagerly
@@ -96,6 +97,8 @@ class CompileSettings:
     #: torch.compile backend; "inductor" serves, others ("eager": dynamo alone) are for
     #: checking the machinery without code generation
     backend: str = "inductor"
+    #: input sizes compiled per layer set; batches of any other size stay eager
+    max_sizes: int = 2
 
 
 @dataclass
@@ -131,6 +134,8 @@ class CompiledGraphs:
         self._seen: collections.Counter = collections.Counter()
         self._queued: set = set()
         self._failed: set = set()   # (model name, points)
+        #: (model name, points) -> the input sizes compiled or queued for it
+        self._sizes: dict = collections.defaultdict(set)
         self._lock = threading.Condition()
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -203,8 +208,12 @@ class CompiledGraphs:
             self._todo.put(None)
 
     def _count(self, key) -> bool:
-        """(Under the lock) count a batch of `key`: True when it is due a compile."""
+        """(Under the lock) count a batch of `key`: True when it is due a compile.
+        A layer set compiles at most `max_sizes` input sizes; other sizes stay eager."""
         if (key[0], key[1]) in self._failed or key in self._queued:
+            return False
+        sizes = self._sizes[(key[0], key[1])]
+        if key[3] not in sizes and len(sizes) >= self.settings.max_sizes:
             return False
         self._seen[key] += 1
         return self._seen[key] >= self.settings.after
@@ -238,6 +247,7 @@ class CompiledGraphs:
             if key in self._queued or key in self._graphs:
                 return
             self._queued.add(key)
+            self._sizes[(key[0], key[1])].add(key[3])
             self.stats.pending = len(self._queued)
             self._todo.put((model, key, gm))
             if self._thread is None:
