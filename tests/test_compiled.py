@@ -202,6 +202,48 @@ def test_bucketing_bounds_compiles(make_server):
     assert graphs.stats.eager == 8 + 24
 
 
+def test_a_batch_runs_as_its_binary_parts_not_padded(make_server):
+    """5 images run as the graphs for 4 and 1 once both are ready (no padding); before
+    that, padded into the ready graph for 8, while the parts count towards compiles."""
+    here = threading.current_thread()
+    rows: list[int] = []
+
+    def recording(gm, example_inputs):   # a torch.compile backend: no code generation
+        def run(*args):
+            if threading.current_thread() is here:   # not the compile's warm-up call
+                # the images (weights are graph inputs too)
+                rows.extend(a.shape[0] for a in args if isinstance(a, torch.Tensor)
+                            and tuple(a.shape[1:]) == (3, 32, 32))
+            return gm.forward(*args)
+        return run
+
+    s = make_server("--model", "resnet18", "--weights", "random")
+    s.engine.compile_graphs(CompileSettings("auto", after=1, backend=recording))
+    (graphs,) = s.engine.compiled
+    m = s.engine.models["resnet18"]
+    plan = CapturePlan.for_batch(m, [(LayerSpec("relu"),)])
+
+    def run(n: int) -> list[int]:
+        rows.clear()
+        x = torch.randn(n, 3, 32, 32)
+        want = capture(m, x, plan)
+        got = graphs.capture(m, x, plan)
+        for spec, t in want.items():
+            torch.testing.assert_close(got[spec], t, rtol=1e-5, atol=1e-5)
+        assert graphs.wait_idle(600)
+        return list(rows)
+
+    assert run(8) == []          # eager; the graph for 8 is compiled
+    assert run(5) == [8]         # padded into it; 4 and 1 become due
+    for _ in range(3):           # one compile at a time: 1 may follow at the next batch
+        if (got := run(5)) == [4, 1]:
+            break
+        assert got == [8]
+    assert got == [4, 1]
+    assert run(7) == [8] and run(7) == [4, 2, 1]
+    assert sorted(k[2] for k in graphs.stats.compiled_keys) == [1, 2, 4, 8]
+
+
 def test_the_cache_bound_holds(make_server):
     graphs, run = graphs_of(make_server, max_graphs=2, max_sizes=8)
     for h in (32, 40, 48, 32):
