@@ -29,8 +29,9 @@ exact (padding an image would change its features). The rules:
 - **Bounds.** Compiles are bounded by the keys: at most (buckets) x `max_sizes`
   (`--compile-max-sizes`, default 2: the first input sizes to become due) per layer
   set; batches of any other size stay eager. Ready graphs are kept in an LRU of at most
-  `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory (the
-  weights the graph holds); the least recently used graph is dropped first.
+  `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory
+  (`capture/compiled.graph_bytes`: twice the weights the graph reaches, as measured);
+  the least recently used graph is dropped first.
 - **Failures.** A layer set whose graph cannot be built or compiled is served eagerly
   from then on (every bucket and size); the failure is logged once.
 - Attribute batches never come here: they keep the autograd path.
