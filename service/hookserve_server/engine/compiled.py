@@ -345,8 +345,9 @@ class CompiledGraphs:
             # faster than eager on a CPU: 49 against 32 img/s for resnet50 `layer4` at
             # batch 1 (docs/performance.md). torch.compile's `options={"freezing": True}`
             # does not turn it on (torch 2.14: the graph compiles unfrozen, at eager's
-            # speed); the setting on the compiling thread does.
-            inductor.freezing = True
+            # speed); the setting on the compiling thread does. CUDA graphs compile
+            # unfrozen, as they were measured (docs/performance.md, "GPU").
+            inductor.freezing = model.device.type == "cpu"
         try:
             with self._busy:
                 done.append((*self._compile(model, key, gm), None))
