@@ -2,8 +2,10 @@
 request wait, stay within their bounds and fall back to eager when compiling fails.
 
 The default suite compiles with torch.compile's "eager" backend or a custom backend
-(dynamo traces the pruned graph, no code generation: seconds); the inductor tests are
-marked slow (each compile takes minutes on a shared 2-core machine)."""
+(dynamo traces the pruned graph, no code generation: seconds), and one small inductor
+compile (resnet18's conv1, bn1 and relu at 64x64: seconds) that checks the graph is
+frozen; the inductor tests over whole layer sets are marked slow (each compile takes
+minutes on a shared 2-core machine)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from hookserve_server.capture.forward import capture
 from hookserve_server.capture.plan import CapturePlan
 from hookserve_server.engine.compiled import CompileSettings, bucket, parse_warm
 from hookserve_server.errors import ConfigError
-from hookserve_server.spec import LayerSpec
+from hookserve_server.spec import DType, LayerSpec, Reduction
 
 from conftest import encode, rand_image
 
@@ -103,8 +105,8 @@ def test_compiled_graph_answers_equal_eager(make_server, images):
     """The pruned graph (dynamo, eager backend): the same answers for every reduction,
     `:input` (in-place ReLU inputs too) and dtype, resnet18 and vgg11."""
     eager = make_server(*BASE)
-    # one image a batch: every batch has the key (bucket 1) that was compiled; padding
-    # to a bucket is checked in test_bucketing_bounds_compiles
+    # one image a batch: every batch has the key (batch size 1) that was compiled;
+    # batches in parts and padded are checked in test_parts_and_padding_answer_alike
     compiled = make_server(*BASE, "--compile", "auto", "--compile-after", "1",
                            "--compile-backend", "eager", "--max-batch-size", "1")
     run_modes(eager, compiled, images, dtypes=("float32", "float16", "bfloat16"))
@@ -172,7 +174,8 @@ def test_a_failed_compile_falls_back_to_eager_logged_once(make_server, images, c
 
 def graphs_of(make_server, **settings):
     s = make_server("--model", "resnet18", "--weights", "random")
-    s.engine.compile_graphs(CompileSettings("auto", after=1, backend="eager", **settings))
+    s.engine.compile_graphs(CompileSettings("auto", **{"after": 1, "backend": "eager",
+                                                       **settings}))
     (graphs,) = s.engine.compiled
     m = s.engine.models["resnet18"]
     plan = CapturePlan.for_batch(m, [(LayerSpec("layer1:input"), LayerSpec("relu"))])
@@ -244,6 +247,52 @@ def test_a_batch_runs_as_its_binary_parts_not_padded(make_server):
     assert sorted(k[2] for k in graphs.stats.compiled_keys) == [1, 2, 4, 8]
 
 
+def test_parts_and_padding_answer_alike(make_server):
+    """Every reduction and dtype of a batch of 3 run as parts (2 + 1) and padded into
+    the graph for 4 equals the eager hooks."""
+    specs = tuple(LayerSpec(name, reduction=r, dtype=d)
+                  for name in ("layer1:input", "relu", "layer2")
+                  for r in Reduction for d in (DType.FLOAT32, DType.BFLOAT16))
+    for parts in (True, False):
+        s = make_server("--model", "resnet18", "--weights", "random")
+        s.engine.compile_graphs(CompileSettings("auto", after=1, backend="eager",
+                                                max_graphs=4 if parts else 1))
+        (graphs,) = s.engine.compiled
+        m = s.engine.models["resnet18"]
+        plan = CapturePlan.for_batch(m, [specs])
+        x = torch.randn(3, 3, 40, 40)
+        want = capture(m, x, plan)
+        for _ in range(6):
+            hits = graphs.stats.hits
+            got = graphs.capture(m, x, plan)
+            assert graphs.wait_idle(600)
+            if graphs.stats.hits > hits:
+                break
+        assert graphs.stats.hits > hits, "no compiled graph answered"
+        assert sorted(k[2] for k in graphs._graphs) == ([1, 2] if parts else [4])
+        for spec in specs:
+            tol = 1e-5 if spec.dtype is DType.FLOAT32 else 2.0 ** -7
+            torch.testing.assert_close(got[spec].float(), want[spec].float(),
+                                       rtol=tol, atol=tol)
+
+
+def test_parts_that_cannot_all_be_kept_compile_the_padded_bucket(make_server):
+    """With room for one graph, a batch of 3 would compile 2 and 1 and each would evict
+    the other, forever: once a graph's size is known the bucket's key (4) compiles
+    instead, and then every batch of 3 is a hit. (Before the first compile ends the
+    size is unknown, so both parts may be queued: at most 3 compiles.)"""
+    graphs, run = graphs_of(make_server, max_bytes=1, after=2)
+    for _ in range(12):
+        run(3, 32, 32)
+    s = graphs.stats
+    assert s.compiles <= 3 and s.evictions <= 2, s
+    assert [k[2] for k in graphs._graphs] == [4]
+    hits = s.hits
+    for _ in range(3):
+        run(3, 32, 32)
+    assert graphs.stats.hits == hits + 3 and graphs.stats.compiles == s.compiles
+
+
 def test_the_cache_bound_holds(make_server):
     graphs, run = graphs_of(make_server, max_graphs=2, max_sizes=8)
     for h in (32, 40, 48, 32):
@@ -302,9 +351,12 @@ def test_inductor_freezes_the_graph(make_server, images):
     assert counters["inductor"]["binary_folding"] > before
     eager = make_server("--model", "resnet18", "--weights", "random")
     want = extract(eager, "resnet18", ["relu"], images[:1], native=True)
-    hits = stats(s).hits
+    hits, graphs = stats(s).hits, dict(counters["stats"])
     assert_same(extract(s, "resnet18", ["relu"], images[:1], native=True), want)
     assert stats(s).hits == hits + 1
+    # the frozen graph runs as compiled: no recompile on the model's thread (where
+    # inductor's per-thread settings would leave a new graph unfrozen)
+    assert dict(counters["stats"]) == graphs
 
 
 def test_a_compile_leaves_no_thread_behind(make_server, images):

@@ -80,9 +80,9 @@ def build_graph(module: nn.Module, points: tuple[CapturePoint, ...]
 FROZEN_COPIES = 2
 
 
-def graph_bytes(gm: fx.GraphModule) -> int:
-    """The memory estimate the compiled-graph cache is bounded by: `FROZEN_COPIES`
-    times the weights and buffers the graph reaches."""
+def graph_bytes(gm: fx.GraphModule, frozen: bool = True) -> int:
+    """The memory estimate the compiled-graph cache is bounded by: the weights and
+    buffers the graph reaches, `FROZEN_COPIES` times over when it is frozen."""
     used: set[int] = set()
     total = 0
     for node in gm.graph.nodes:
@@ -93,7 +93,7 @@ def graph_bytes(gm: fx.GraphModule) -> int:
             if id(t) not in used:
                 used.add(id(t))
                 total += t.numel() * t.element_size()
-    return FROZEN_COPIES * total
+    return (FROZEN_COPIES if frozen else 1) * total
 
 
 def to_bucket(x: torch.Tensor, rows: int, channels_last: bool) -> torch.Tensor:

@@ -22,16 +22,21 @@ exact (padding an image would change its features). The rules:
   start-up for each `--warm` entry. The model's thread traces the graph (torch.fx,
   a fraction of a second, over a copy of the model); one background thread takes
   the keys one at a time and compiles each on a thread of its own that ends with the
-  compile (so no second OpenMP team outlives it), with inductor and freezing; that
+  compile (so no second OpenMP team outlives it), with inductor (frozen on the CPU,
+  where freezing is the speed; unfrozen on CUDA, as measured there); that
   thread runs the new graph's first call, with the model thread's OpenMP thread count
   (torch.compile guards on it: a graph compiled under another count would recompile
   on its first batch).
 - **Bounds.** Compiles are bounded by the keys: at most (buckets) x `max_sizes`
-  (`--compile-max-sizes`, default 2: the first input sizes to become due) per layer
-  set; batches of any other size stay eager. Ready graphs are kept in an LRU of at most
-  `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory
-  (`capture/compiled.graph_bytes`: twice the weights the graph reaches, as measured);
-  the least recently used graph is dropped first.
+  (`--compile-max-sizes`, default 2: the first input sizes to become due, `--warm`
+  entries included) per layer set; batches of any other size stay eager. A graph
+  dropped from the LRU compiles again if it becomes due again. A batch runs as parts
+  only when that many graphs of its layer set fit in the LRU together; otherwise its
+  padded bucket is the key that compiles, so parts do not evict each other without
+  end. Ready graphs are kept in an LRU of at most `--compile-max-graphs` graphs and
+  `--compile-max-bytes` of estimated memory (`capture/compiled.graph_bytes`: twice
+  the weights a frozen graph reaches, as measured; the weights once for an unfrozen
+  one); the least recently used graph is dropped first.
 - **Failures.** A layer set whose graph cannot be built or compiled is served eagerly
   from then on (every bucket and size); the failure is logged once.
 - Attribute batches never come here: they keep the autograd path.
@@ -148,6 +153,8 @@ class CompiledGraphs:
         self._failed: set = set()   # (model name, points)
         #: (model name, points) -> the input sizes compiled or queued for it
         self._sizes: dict = collections.defaultdict(set)
+        #: (model name, points) -> the memory estimate of one of its graphs
+        self._layer_bytes: dict = {}
         self._lock = threading.Condition()
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -169,7 +176,9 @@ class CompiledGraphs:
         (5 = 4 + 1), each part through the graph of its size, when all of them are
         ready: no image is padded. Otherwise the graph of n's bucket runs it padded
         with zero images (5 in the graph for 8) when that one is ready, and else the
-        eager hooks do; each part's key is counted towards its compile."""
+        eager hooks do. The missing parts' keys count towards their compiles when that
+        many graphs of the layer set fit in the cache together; else the bucket's key
+        does (parts that cannot all be kept would evict each other)."""
         if not self.enabled:
             return capture(model, x, plan)
         points = tuple(sorted(plan.points, key=_order))
@@ -179,10 +188,18 @@ class CompiledGraphs:
         due: list = []
         with self._lock:
             fns = [self._graphs.get(k) for k in keys]
-            if not all(fns):   # the missing parts count towards their compiles
-                due = [k for k, fn in zip(keys, fns, strict=True)
-                       if fn is None and self._count(k)]
+            if not all(fns):
                 padded = (model.name, points, bucket(n), size)
+                if self._parts_fit(model.name, points, len(parts)):
+                    # the missing parts count towards their compiles; the ready ones
+                    # stay recent while they wait for them
+                    for k, fn in zip(keys, fns, strict=True):
+                        if fn is not None:
+                            self._graphs.move_to_end(k)
+                    missing = [k for k, fn in zip(keys, fns, strict=True) if fn is None]
+                else:   # parts that cannot all be kept would evict each other
+                    missing = [padded]
+                due = [k for k in missing if k not in self._graphs and self._count(k)]
                 fns, keys, parts = [self._graphs.get(padded)], [padded], [bucket(n)]
             if fns[0] is not None:
                 for k in keys:
@@ -237,12 +254,19 @@ class CompiledGraphs:
         if self._thread is not None:
             self._todo.put(None)
 
+    def _parts_fit(self, model: str, points, count: int) -> bool:
+        """(Under the lock) whether `count` graphs of this layer set fit in the cache
+        together (a graph's estimate is the same at every batch size; unknown until
+        its first compile, and assumed to fit until then)."""
+        each = self._layer_bytes.get((model, points), 0)
+        return count <= self.settings.max_graphs and count * each <= self.settings.max_bytes
+
     def _count(self, key) -> bool:
         """(Under the lock) count a batch of `key`: True when it is due a compile.
         A layer set compiles at most `max_sizes` input sizes; other sizes stay eager."""
         if (key[0], key[1]) in self._failed or key in self._queued:
             return False
-        sizes = self._sizes[(key[0], key[1])]
+        sizes = self._sizes.get((key[0], key[1]), ())
         if key[3] not in sizes and len(sizes) >= self.settings.max_sizes:
             return False
         self._seen[key] += 1
@@ -319,6 +343,7 @@ class CompiledGraphs:
                     self.stats.compile_seconds += seconds
                     self.stats.compiled_keys.append(key)
                     self._graphs[key] = (fn, nbytes)
+                    self._layer_bytes[(key[0], key[1])] = nbytes
                     self._evict()
                     self.telemetry.compile_event("compile")
                     self.telemetry.compile_state(seconds, self.stats.graph_bytes)
@@ -334,24 +359,25 @@ class CompiledGraphs:
         # process default): torch.compile's guards include it, and a graph compiled
         # under another count would be compiled again by its first batch, on the
         # model's thread.
-        if self.settings.backend == "inductor":
-            import torch._inductor.config as inductor
-
-            # inductor's settings are per thread: these hold for this compile only.
-            # One compiler process beside the serving threads, not one per core.
-            inductor.compile_threads = 1
-            # Freezing (weights folded into the graph as constants, batch norm folded
-            # into the convolutions, oneDNN's packed weights) is what makes the graph
-            # faster than eager on a CPU: 49 against 32 img/s for resnet50 `layer4` at
-            # batch 1 (docs/performance.md). torch.compile's `options={"freezing": True}`
-            # does not turn it on (torch 2.14: the graph compiles unfrozen, at eager's
-            # speed); the setting on the compiling thread does. CUDA graphs compile
-            # unfrozen, as they were measured (docs/performance.md, "GPU").
-            inductor.freezing = model.device.type == "cpu"
         try:
+            if self.settings.backend == "inductor":
+                import torch._inductor.config as inductor
+
+                # inductor's settings are per thread: these hold for this compile only.
+                # One compiler process beside the serving threads, not one per core.
+                inductor.compile_threads = 1
+                # Freezing (weights folded into the graph as constants, batch norm
+                # folded into the convolutions, oneDNN's packed weights) is what makes
+                # the graph faster than eager on a CPU: 49 against 32 img/s for
+                # resnet50 `layer4` at batch 1 (docs/performance.md).
+                # torch.compile's `options={"freezing": True}` does not turn it on
+                # (torch 2.14: the graph compiles unfrozen, at eager's speed); the
+                # setting on the compiling thread does. CUDA graphs compile unfrozen,
+                # as they were measured (docs/performance.md, "GPU").
+                inductor.freezing = model.device.type == "cpu"
             with self._busy:
                 done.append((*self._compile(model, key, gm), None))
-        except Exception as exc:
+        except BaseException as exc:   # reported by the compile loop, with its cause
             done.append((None, 0, exc))
 
     def _compile(self, model: ServedModel, key, gm):
@@ -365,7 +391,8 @@ class CompiledGraphs:
         x = torch.zeros((rows, 3, h, w), dtype=model.torch_dtype, device=model.device)
         with torch.inference_mode(), autocast(model.precision, model.device):
             fn(to_bucket(x, rows, model.channels_last))   # compiles here
-        return fn, graph_bytes(gm)
+        frozen = s.backend == "inductor" and model.device.type == "cpu"
+        return fn, graph_bytes(gm, frozen)
 
     def _evict(self) -> None:
         s = self.settings
