@@ -1,44 +1,35 @@
 """`--compile auto`: compiled extraction graphs, built in the background.
 
-The device worker asks `CompiledGraphs.capture` for each Extract batch. A graph is
-keyed by (model, capture points, batch size, input height and width): the capture
-points are the layers and `:input`s the batch asks for (not their reductions, dtypes
-or L2, which are applied to the graph's outputs), the batch size is a power of two
-(1, 2, 4, 8, ...: a batch runs as its parts of those sizes, or padded with zero
-images to its bucket; rows of a batch never mix in eval mode), the input size is
-exact (padding an image would change its features). The rules:
+The measurements behind each rule are in docs/performance.md ("Compiled extraction
+graphs"). The device worker asks `CompiledGraphs.capture` for each Extract batch. A
+graph is keyed by (model, capture points, batch size, input height and width): the
+points are the layers and `:input`s asked for (reductions, dtypes and L2 are applied
+to the graph's outputs), the batch size a power of two, the input size exact
+(padding an image would change its features). The rules:
 
 - **Never wait.** A batch whose keys have ready graphs runs them (a hit); any other
-  runs the eager hooks (`capture/forward.py`). The worker asks at the start of each
-  batch, so a graph that finishes compiling is used from the next batch on.
+  runs the eager hooks (`capture/forward.py`), so a graph is used from the first
+  batch after its compile ends.
 - **No padding where it can be helped.** A batch of n runs as the powers of two that
-  sum to n (5 = 4 + 1), each through its own graph, once those are ready; a compiled
-  CPU graph's time per image hardly depends on its batch size, so padding 5 images
-  to 8 costs 3/8 of the pass (8 clients: 28 against 43 img/s). Until then the graph
-  of n's bucket runs the batch padded, if it is ready, and the parts that have no
-  graph count towards their compiles.
-- **When to compile.** A key is queued for compiling at its `after`-th batch
-  (`--compile-after`, default 2: a layer set seen once is not worth a compile), or at
-  start-up for each `--warm` entry. The model's thread traces the graph (torch.fx,
-  a fraction of a second, over a copy of the model); one background thread takes
-  the keys one at a time and compiles each on a thread of its own that ends with the
-  compile (so no second OpenMP team outlives it), with inductor (frozen on the CPU,
-  where freezing is the speed; unfrozen on CUDA, as measured there); that
-  thread runs the new graph's first call, with the model thread's OpenMP thread count
-  (torch.compile guards on it: a graph compiled under another count would recompile
-  on its first batch).
-- **Bounds.** Compiles are bounded by the keys: at most (buckets) x `max_sizes`
-  (`--compile-max-sizes`, default 2: the first input sizes to become due, `--warm`
-  entries included) per layer set; batches of any other size stay eager. A graph
-  dropped from the LRU compiles again if it becomes due again. A batch runs as parts
-  only when that many graphs of its layer set fit in the LRU together; otherwise its
-  padded bucket is the key that compiles, so parts do not evict each other without
-  end. Ready graphs are kept in an LRU of at most `--compile-max-graphs` graphs and
-  `--compile-max-bytes` of estimated memory (`capture/compiled.graph_bytes`: twice
-  the weights a frozen graph reaches, as measured; the weights once for an unfrozen
-  one); the least recently used graph is dropped first.
+  sum to n (5 = 4 + 1), each through its own graph, once those are ready; until then
+  the graph of n's bucket runs it padded with zero images (rows never mix in eval
+  mode), if it is ready.
+- **When to compile.** A key is queued at its `after`-th batch (`--compile-after`),
+  or at start-up for each `--warm` entry. The model's thread traces the graph
+  (torch.fx over a copy of the model); one background thread takes the keys one at a
+  time and compiles each on a thread of its own that ends with the compile (no second
+  OpenMP team outlives it), with inductor, frozen on the CPU; that thread runs the
+  graph's first call with the model thread's OpenMP thread count (torch.compile
+  guards on it).
+- **Bounds.** At most (buckets) x `max_sizes` keys per layer set (the first input
+  sizes to become due, `--warm` entries included; other sizes stay eager); a graph
+  dropped from the LRU compiles again when due again. Parts are used only when that
+  many graphs of the layer set fit in the LRU together, else the padded bucket is the
+  key, so parts do not evict each other without end. The LRU holds at most
+  `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory
+  (`capture/compiled.graph_bytes`).
 - **Failures.** A layer set whose graph cannot be built or compiled is served eagerly
-  from then on (every bucket and size); the failure is logged once.
+  from then on; the failure is logged once.
 - Attribute batches never come here: they keep the autograd path.
 """
 
@@ -314,12 +305,9 @@ class CompiledGraphs:
         while (job := self._todo.get()) is not None:
             model, key, gm = job
             t0 = time.perf_counter()
-            # Each compile runs on a thread of its own that ends with it. The compile's
-            # warm-up pass starts an OpenMP team on the thread that runs it, and libgomp
-            # keeps a team until its thread ends; while a second team lives beside the
-            # model thread's, the process has more OpenMP threads than cores and libgomp
-            # cuts every team's spin: the compiled resnet50 `layer4` graph fell from 49
-            # to 44 img/s at batch 1 (2 cores) with an idle second team alive.
+            # A thread per compile: libgomp keeps the OpenMP team of the warm-up pass
+            # until its thread ends, and a second team beside the model thread's cuts
+            # every team's spin (49 -> 44 img/s, docs/performance.md).
             done: list = []
             worker = threading.Thread(target=self._compile_job, args=(model, key, gm, done),
                                       daemon=True, name="hookserve-compile-job")
@@ -366,14 +354,10 @@ class CompiledGraphs:
                 # inductor's settings are per thread: these hold for this compile only.
                 # One compiler process beside the serving threads, not one per core.
                 inductor.compile_threads = 1
-                # Freezing (weights folded into the graph as constants, batch norm
-                # folded into the convolutions, oneDNN's packed weights) is what makes
-                # the graph faster than eager on a CPU: 49 against 32 img/s for
-                # resnet50 `layer4` at batch 1 (docs/performance.md).
-                # torch.compile's `options={"freezing": True}` does not turn it on
-                # (torch 2.14: the graph compiles unfrozen, at eager's speed); the
-                # setting on the compiling thread does. CUDA graphs compile unfrozen,
-                # as they were measured (docs/performance.md, "GPU").
+                # Freezing is the CPU speed-up (49 against 32 img/s unfrozen, resnet50
+                # `layer4`); torch.compile(options={"freezing": True}) leaves the graph
+                # unfrozen in torch 2.14, this thread's setting does not. CUDA graphs
+                # compile unfrozen, as they were measured (docs/performance.md).
                 inductor.freezing = model.device.type == "cpu"
             with self._busy:
                 done.append((*self._compile(model, key, gm), None))
