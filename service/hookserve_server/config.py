@@ -238,7 +238,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
               "differences from fp32 are in docs/performance.md")
     _add(g, "--compile", default="off", choices=["auto", "off"],
          help="auto: compile the pruned extraction graph of each layer set served often "
-              "(inductor, freezing) in a background thread while the eager path serves, "
+              "(inductor; frozen on the CPU) in a background thread while the eager path serves, "
               "switching at a batch boundary; off: the eager path alone. Rules and "
               "measurements: docs/performance.md")
     _add(g, "--compile-after", default=2, type=int, metavar="N",
