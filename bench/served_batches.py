@@ -1,0 +1,110 @@
+"""Many clients against one hookserve server, and what its batches did.
+
+    .venv/bin/python -m bench.served_batches --mode compiled
+    .venv/bin/python -m bench.served_batches --mode compiled --images 240 --clients 8 \
+        --hookserve-arg=--preprocess-workers --hookserve-arg=1
+
+One server (resnet50 `layer4` avg, 224 px JPEGs, `--max-batch-size 8`, 2 threads, on
+127.0.0.1); `--clients` threads each send one image at a time with the SDK. Prints the
+images per second and, from the server's own metrics over the run: the batches and
+their sizes, forward milliseconds per batch and per image, preprocessing per image,
+the queue wait, and the compiled-graph events. This is the view behind the 8-client
+column of `bench.peers.run`: where a served forward pass spends its time when
+batches form under load (for example a batch of 5 padded to 8, or run as 4 + 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from bench.common import HOOKSERVE_PORT_RE, Proc, hookserve_argv, images  # sets OpenMP wait
+from bench.peers.callers import HookserveCaller
+
+WARM = [x for b in (1, 2, 4, 8) for x in ("--warm", f"resnet50=layer4#{b}")]
+MODES = {
+    "eager": ["--memory-format", "contiguous"],
+    "compiled": ["--compile", "auto", *WARM],
+    "compiled-bf16": ["--precision", "bf16", "--compile", "auto", *WARM],
+}
+HISTOGRAMS = ("forward_seconds", "preprocess_seconds", "batch_size", "queue_wait_seconds")
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+        return r.read().decode()
+
+
+def sums(text: str) -> dict[str, tuple[float, float]]:
+    """Each histogram's (sum, count)."""
+    out = {}
+    for name in HISTOGRAMS:
+        s = re.search(rf"hookserve_{name}_sum(?:{{[^}}]*}})? (\S+)", text)
+        n = re.search(rf"hookserve_{name}_count(?:{{[^}}]*}})? (\S+)", text)
+        out[name] = (float(s.group(1)), float(n.group(1))) if s and n else (0.0, 0.0)
+    return out
+
+
+def sizes(text: str) -> dict[str, float]:
+    """The batch-size histogram's cumulative buckets."""
+    return {le: float(v) for le, v in re.findall(
+        r'hookserve_batch_size_bucket{[^}]*le="([^"]+)"[^}]*} (\S+)', text)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=MODES, default="compiled")
+    ap.add_argument("--images", type=int, default=240)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--metrics-port", type=int, default=9466)
+    ap.add_argument("--hookserve-arg", action="append", default=[],
+                    help="extra `hookserve serve` flag (repeat)")
+    a = ap.parse_args()
+    ns = argparse.Namespace(device="cpu", dtype="float32", batch=8, delay_ms=5.0, threads=2)
+    argv = hookserve_argv(["resnet50"], ns, *MODES[a.mode], "--metrics-port",
+                          str(a.metrics_port), *a.hookserve_arg)
+    server = Proc(a.mode, argv, HOOKSERVE_PORT_RE)
+    try:
+        if "--warm" in argv:   # measured once the start-up compiles are done
+            server.wait_lines(("compiled resnet50", "serving it eagerly"), argv.count("--warm"))
+        data = images(a.images, 224)
+        caller = HookserveCaller(server.address, "resnet50", "layer4", "avg")
+        conns = [caller.connect() for _ in range(a.clients)]
+        for extract, _ in conns:
+            extract(data[0])
+        parts = [data[i::a.clients] for i in range(a.clients)]
+        before = scrape(a.metrics_port)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(a.clients) as pool:
+            list(pool.map(lambda i: [conns[i][0](b) for b in parts[i]], range(a.clients)))
+        wall = time.perf_counter() - t0
+        after = scrape(a.metrics_port)
+        for _, close in conns:
+            close()
+    finally:
+        server.stop()
+    s0, s1 = sums(before), sums(after)
+    d = {k: (s1[k][0] - s0[k][0], s1[k][1] - s0[k][1]) for k in HISTOGRAMS}
+    batches = d["forward_seconds"][1] or 1
+    h0, h1 = sizes(before), sizes(after)
+    print(f"{a.mode}, {a.clients} clients, {a.images} images: {a.images / wall:.1f} img/s")
+    print(f"  batches {batches:.0f}, mean size {d['batch_size'][0] / batches:.2f}; "
+          "cumulative sizes " + ", ".join(f"<={k}: {h1[k] - h0.get(k, 0):.0f}"
+                                        for k in ("1.0", "2.0", "4.0", "8.0") if k in h1))
+    print(f"  forward {1e3 * d['forward_seconds'][0] / batches:.1f} ms a batch, "
+          f"{1e3 * d['forward_seconds'][0] / a.images:.1f} ms an image; "
+          f"busy {d['forward_seconds'][0] / wall:.2f} of the wall time")
+    pre, wait = d["preprocess_seconds"], d["queue_wait_seconds"]
+    print(f"  preprocess {1e3 * pre[0] / max(pre[1], 1):.2f} ms an image; "
+          f"queue wait {1e3 * wait[0] / max(wait[1], 1):.1f} ms")
+    events = re.findall(r'hookserve_compile_events_total{event="(\w+)"} (\S+)', after)
+    print("  compiled-graph events: " + (", ".join(f"{k} {float(v):.0f}" for k, v in events)
+                                        or "none (--compile off)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
