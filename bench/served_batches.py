@@ -4,8 +4,10 @@
     .venv/bin/python -m bench.served_batches --mode compiled --images 240 --clients 8 \
         --hookserve-arg=--preprocess-workers --hookserve-arg=1
 
-One server (resnet50 `layer4` avg, 224 px JPEGs, `--max-batch-size 8`, 2 threads, on
-127.0.0.1); `--clients` threads each send one image at a time with the SDK. Prints the
+One server started as `bench.peers.run` starts the server of the same `--mode` (its
+models, flags and start-up compiles; resnet50 `layer4` avg is asked for, 224 px
+JPEGs, `--max-batch-size 8`, 2 threads, on 127.0.0.1); `--clients` threads each send
+one image at a time with the SDK. Prints the
 images per second and, from the server's own metrics over the run: the batches and
 their sizes, forward milliseconds per batch and per image, preprocessing per image,
 the queue wait, and the compiled-graph events. This is the view behind the 8-client
@@ -23,13 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import HOOKSERVE_PORT_RE, Proc, hookserve_argv, images  # sets OpenMP wait
 from bench.peers.callers import HookserveCaller
+from bench.peers.run import MODES, WORK
 
-WARM = [x for b in (1, 2, 4, 8) for x in ("--warm", f"resnet50=layer4#{b}")]
-MODES = {
-    "eager": ["--memory-format", "contiguous"],
-    "compiled": ["--compile", "auto", *WARM],
-    "compiled-bf16": ["--precision", "bf16", "--compile", "auto", *WARM],
-}
 HISTOGRAMS = ("forward_seconds", "preprocess_seconds", "batch_size", "queue_wait_seconds")
 
 
@@ -38,20 +35,29 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
-def sums(text: str) -> dict[str, tuple[float, float]]:
-    """Each histogram's (sum, count)."""
-    out = {}
-    for name in HISTOGRAMS:
-        s = re.search(rf"hookserve_{name}_sum(?:{{[^}}]*}})? (\S+)", text)
-        n = re.search(rf"hookserve_{name}_count(?:{{[^}}]*}})? (\S+)", text)
-        out[name] = (float(s.group(1)), float(n.group(1))) if s and n else (0.0, 0.0)
+def series(text: str, name: str, model: str) -> list[tuple[str, float]]:
+    """(labels, value) of each `name` sample that is `model`'s or has no model label."""
+    out = []
+    for labels, value in re.findall(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        if "model=" not in labels or f'model="{model}"' in labels:
+            out.append((labels, float(value)))
     return out
 
 
-def sizes(text: str) -> dict[str, float]:
-    """The batch-size histogram's cumulative buckets."""
-    return {le: float(v) for le, v in re.findall(
-        r'hookserve_batch_size_bucket{[^}]*le="([^"]+)"[^}]*} (\S+)', text)}
+def sums(text: str, model: str) -> dict[str, tuple[float, float]]:
+    """Each histogram's (sum, count) for `model`."""
+    return {name: (sum(v for _, v in series(text, f"hookserve_{name}_sum", model)),
+                   sum(v for _, v in series(text, f"hookserve_{name}_count", model)))
+            for name in HISTOGRAMS}
+
+
+def sizes(text: str, model: str) -> dict[str, float]:
+    """The batch-size histogram's cumulative buckets for `model`."""
+    out: dict[str, float] = {}
+    for labels, v in series(text, "hookserve_batch_size_bucket", model):
+        le = re.search(r'le="([^"]+)"', labels).group(1)
+        out[le] = out.get(le, 0.0) + v
+    return out
 
 
 def main() -> int:
@@ -64,12 +70,13 @@ def main() -> int:
                     help="extra `hookserve serve` flag (repeat)")
     a = ap.parse_args()
     ns = argparse.Namespace(device="cpu", dtype="float32", batch=8, delay_ms=5.0, threads=2)
-    argv = hookserve_argv(["resnet50"], ns, *MODES[a.mode], "--metrics-port",
-                          str(a.metrics_port), *a.hookserve_arg)
+    argv = hookserve_argv([w[0] for w in WORK.values()], ns, *MODES[a.mode],
+                          "--metrics-port", str(a.metrics_port), *a.hookserve_arg)
     server = Proc(a.mode, argv, HOOKSERVE_PORT_RE)
     try:
         if "--warm" in argv:   # measured once the start-up compiles are done
-            server.wait_lines(("compiled resnet50", "serving it eagerly"), argv.count("--warm"))
+            server.wait_lines(("compiled resnet50", "compiled vgg16", "serving it eagerly"),
+                              argv.count("--warm"))
         data = images(a.images, 224)
         caller = HookserveCaller(server.address, "resnet50", "layer4", "avg")
         conns = [caller.connect() for _ in range(a.clients)]
@@ -86,10 +93,10 @@ def main() -> int:
             close()
     finally:
         server.stop()
-    s0, s1 = sums(before), sums(after)
+    s0, s1 = sums(before, "resnet50"), sums(after, "resnet50")
     d = {k: (s1[k][0] - s0[k][0], s1[k][1] - s0[k][1]) for k in HISTOGRAMS}
     batches = d["forward_seconds"][1] or 1
-    h0, h1 = sizes(before), sizes(after)
+    h0, h1 = sizes(before, "resnet50"), sizes(after, "resnet50")
     print(f"{a.mode}, {a.clients} clients, {a.images} images: {a.images / wall:.1f} img/s")
     print(f"  batches {batches:.0f}, mean size {d['batch_size'][0] / batches:.2f}; "
           "cumulative sizes " + ", ".join(f"<={k}: {h1[k] - h0.get(k, 0):.0f}"
