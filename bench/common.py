@@ -109,19 +109,30 @@ class Proc:
             time.sleep(0.5)   # polling a log, not synchronising threads
         return sum(any(w in line for w in words) for line in self.lines)
 
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def pause(self) -> None:
+        """SIGSTOP the server's process group (its workers too): while another server is
+        measured, an idle one's polling loop takes no CPU from it."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the process group after `pause()`."""
+        self._signal_group(signal.SIGCONT)
+
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL it after 30 s."""
-        def signal_group(sig: int) -> None:
-            try:
-                os.killpg(self.p.pid, sig)
-            except ProcessLookupError:
-                pass
-        signal_group(signal.SIGTERM)
+        self.resume()  # a paused group would not handle SIGTERM
+        self._signal_group(signal.SIGTERM)
         try:
             self.p.wait(30)
         except subprocess.TimeoutExpired:
             pass
-        signal_group(signal.SIGKILL)  # workers left behind by the leader, if any
+        self._signal_group(signal.SIGKILL)  # workers left behind by the leader, if any
         self.p.wait()
 
 

@@ -12,7 +12,11 @@ Servers run as subprocesses with the same torch thread count and the same OpenMP
 (GOMP_SPINCOUNT=10000, hookserve's default; bench/common.py); the in-process floor
 runs in this process while they idle.
 Rows that are compared alternate (per image for latency, per round for throughput),
-so drift in the machine's load hits every column.
+so drift in the machine's load hits every column. While one server (or the floor) is
+measured, the other servers are paused (SIGSTOP to their process groups, SIGCONT when
+their turn comes): an idle LitServe's polling loop takes 15% of a core, which would
+otherwise come out of whichever column is running (--no-pause measures with every
+server running).
 
   latency   resnet50 layer4 avg, one client, one image at a time: p50/p99 (ms)
   tput-1    the same, img/s with 1 client
@@ -91,6 +95,8 @@ def parse_args() -> argparse.Namespace:
                     help="extra `hookserve serve` flag (repeat), e.g. --hookserve-arg=--x")
     ap.add_argument("--kserve-python", default=str(ROOT / ".venv-kserve/bin/python"),
                     help="python of the venv that has kserve (it pins protobuf < 7)")
+    ap.add_argument("--no-pause", action="store_true",
+                    help="keep every server running while another is measured")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     a.device, a.dtype = "cpu", "float32"
@@ -140,17 +146,43 @@ def start(a: argparse.Namespace, which: set[str], say) -> tuple[dict, dict]:
     return procs, use
 
 
-def latencies(targets: list, data: list[bytes]) -> dict[str, list[float]]:
+class Focus:
+    """Runs one server at a time: `on(name)` resumes that server and pauses the one
+    that ran before; `on(None)` (the in-process floor) pauses them all; `off()` resumes
+    every server. A no-op when `enabled` is false."""
+
+    def __init__(self, procs: dict[str, Proc], enabled: bool) -> None:
+        self.procs, self.enabled = procs, enabled
+        self.running = set(procs)
+
+    def on(self, name: str | None) -> None:
+        if not self.enabled:
+            return
+        for other in self.running - {name}:
+            self.procs[other].pause()
+        if name in self.procs and name not in self.running:
+            self.procs[name].resume()
+        self.running = {name} & set(self.procs)
+
+    def off(self) -> None:
+        for name in set(self.procs) - self.running:
+            self.procs[name].resume()
+        self.running = set(self.procs)
+
+
+def latencies(targets: list, data: list[bytes], focus: Focus) -> dict[str, list[float]]:
     """One image at a time, each image to every target in turn."""
     conns = [(t.name, *t.connect()) for t in targets]
     lat: dict[str, list[float]] = {t.name: [] for t in targets}
     try:
         for i, b in enumerate(data):
             for name, extract, _ in conns[i % len(conns):] + conns[:i % len(conns)]:
+                focus.on(name)
                 t0 = time.perf_counter()
                 extract(b)
                 lat[name].append(time.perf_counter() - t0)
     finally:
+        focus.off()
         for _, _, close in conns:
             close()
     return lat
@@ -223,9 +255,10 @@ def main() -> int:
         say("same answer check (image 0) and warm-up")
         R["check"] = {"pooled": report.same_answers(pooled, img[0]),
                       "big": report.same_answers(big, img[0])}
-        latencies(pooled, img[:3])
+        focus = Focus(procs, not a.no_pause)
+        latencies(pooled, img[:3], focus)
         say(f"latency: {a.latency_images} images, one at a time, targets interleaved")
-        lat = latencies(pooled, img[:a.latency_images])
+        lat = latencies(pooled, img[:a.latency_images], focus)
         R["latency"] = {k: {"p50_ms": pct(v, 50) * 1e3, "p99_ms": pct(v, 99) * 1e3,
                             "mean_ms": sum(v) / len(v) * 1e3} for k, v in lat.items()}
         acc: dict[str, dict[str, list[float]]] = {"tput1": {}, "tput8": {}}
@@ -233,6 +266,7 @@ def main() -> int:
         for r in range(a.rounds):
             part = img[:a.tput_images]
             for t in pooled:
+                focus.on(t.name)
                 acc["tput1"].setdefault(t.name, []).append(throughput(t, part, 1))
                 server = procs.get(t.name)
                 c0, s0 = cpu_seconds(None), cpu_seconds(server)
@@ -244,6 +278,7 @@ def main() -> int:
                 cpu["server"] += (s1 - s0) * 1e3 if server else 0.0
                 cpu["client"] += (c1 - c0) * 1e3
                 cpu["n"] += len(part)
+            focus.off()
             say(f"  round {r + 1}: " + report.brief(acc))
         for k, v in acc.items():
             R[k] = {name: len(xs) / sum(1 / x for x in xs) for name, xs in v.items()}
@@ -252,10 +287,13 @@ def main() -> int:
             for name, c in cpu_ms.items()}
         say(f"big map: vgg16 features.0, {a.big_images} images, {a.big_clients} clients")
         mb = floors["big"].extract(img[:1]).nbytes / 1e6
-        R["bigmap"] = {"image_mb": mb, "mb_s": {
-            t.name: throughput(t, img[:a.big_images],
-                               1 if isinstance(t, callers.FloorCaller) else a.big_clients) * mb
-            for t in big}}
+        mb_s = {}
+        for t in big:
+            focus.on(t.name)
+            mb_s[t.name] = mb * throughput(
+                t, img[:a.big_images], 1 if isinstance(t, callers.FloorCaller) else a.big_clients)
+        focus.off()
+        R["bigmap"] = {"image_mb": mb, "mb_s": mb_s}
     finally:
         for p in procs.values():
             p.stop()
