@@ -34,6 +34,7 @@ from .models import (
     imagenet_cache_path,
     resolve_device,
 )
+from .openmp import release_team
 from .preflight import Checked, is_loopback, metrics_host, preflight
 from .server import HookServer, ServerOptions, create_server
 
@@ -179,6 +180,7 @@ def start(args: argparse.Namespace, pre: Checked | None = None,
     except BaseException:
         server.stop(0)
         raise
+    release_team()  # only the model threads keep OpenMP teams from now on
     if openmp_note:
         log.info("%s", openmp_note)
     if warning := exposure_warning(server.opts):

@@ -70,3 +70,21 @@ def one_thread_here() -> bool:
     torch.get_num_threads()  # torch's per-thread set-up first, or it would undo this
     gomp.omp_set_num_threads(1)
     return torch.get_num_threads() == 1
+
+
+def release_team() -> bool:
+    """End the calling thread's OpenMP team: its worker threads exit (the thread gets a
+    new team if it runs a parallel region again). False where that cannot be done.
+
+    Start-up runs torch on the main thread (random weights, a channels-last copy, the
+    set-up of compiled graphs), which leaves the main thread a team of idle workers;
+    with the model thread's own team the process then has more OpenMP threads than
+    cores, and libgomp throttles the model thread's spin (see `one_thread_here`). A
+    frozen resnet50 graph at batch 1 took 22.4-22.9 ms on another thread than the one
+    that built it, 19.9-20.3 ms once the builder's team was released
+    (docs/performance.md). libgomp frees only the calling thread's pool here.
+    """
+    gomp = _libgomp()
+    if gomp is None:
+        return False
+    return gomp.omp_pause_resource_all(1) == 0  # 1: omp_pause_soft
