@@ -80,7 +80,7 @@ def release_team() -> bool:
     set-up of compiled graphs), which leaves the main thread a team of idle workers;
     with the model thread's own team the process then has more OpenMP threads than
     cores, and libgomp throttles the model thread's spin (see `one_thread_here`). A
-    frozen resnet50 graph at batch 1 took 22.4-22.9 ms on another thread than the one
+    frozen resnet50 graph at batch 1 took 22.3-22.9 ms on another thread than the one
     that built it, 19.9-20.3 ms once the builder's team was released
     (docs/performance.md). libgomp frees only the calling thread's pool here.
     """
