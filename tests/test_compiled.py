@@ -20,7 +20,8 @@ from torch._dynamo.utils import counters
 
 from hookserve_server.capture.forward import capture
 from hookserve_server.capture.plan import CapturePlan
-from hookserve_server.engine.compiled import CompileSettings, bucket, parse_warm
+from hookserve_server.engine.compiled import bucket
+from hookserve_server.engine.config import CompileSettings, parse_warm
 from hookserve_server.errors import ConfigError
 from hookserve_server.spec import DType, LayerSpec, Reduction
 
@@ -305,6 +306,52 @@ def test_the_cache_bound_holds(make_server):
     assert graphs.stats.evictions == 1 and len(graphs._graphs) == 1
     assert 0 < graphs.stats.graph_bytes < 1 << 20
 
+
+def test_what_is_remembered_per_key_and_layer_set_is_bounded(make_server):
+    """Clients choose layer sets and (native mode) input sizes: a stream of new ones,
+    each seen once, never grows the counts beyond `max_tracked`; nor do the sizes,
+    estimates and failures of many layer sets. Counting still works for the recent."""
+    s = make_server("--model", "resnet18", "--weights", "random")
+    s.engine.compile_graphs(CompileSettings("auto", after=2, backend="eager", max_tracked=4))
+    (graphs,) = s.engine.compiled
+    m = s.engine.models["resnet18"]
+    names = [n for n in m.layer_index if n.startswith("layer1")][:6]
+    for i, name in enumerate(names):
+        for side in (32, 40, 48):
+            x = torch.randn(1 + i % 3, 3, side, side)
+            graphs.capture(m, x, CapturePlan.for_batch(m, [(LayerSpec(name),)]))
+    assert len(names) == 6 and len(graphs._seen) == 4, len(graphs._seen)
+    assert graphs.stats.compiles == 0 and graphs.wait_idle(600)
+    # the most recent key is still counted: its second batch compiles it
+    graphs.capture(m, x, CapturePlan.for_batch(m, [(LayerSpec(names[-1]),)]))
+    assert graphs.wait_idle(600) and graphs.stats.compiles == 1
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generation here")
+
+    s = make_server("--model", "resnet18", "--weights", "random")
+    s.engine.compile_graphs(CompileSettings("auto", after=1, backend=broken, max_tracked=2,
+                                            max_graphs=2))
+    (graphs,) = s.engine.compiled
+    for name in names:
+        x = torch.randn(1, 3, 32, 32)
+        graphs.capture(m, x, CapturePlan.for_batch(m, [(LayerSpec(name),)]))
+        assert graphs.wait_idle(600)
+    assert graphs.stats.failures == 6
+    assert len(graphs._failed) == len(graphs._sizes) == 2 and len(graphs._seen) == 2
+    assert len(graphs._layer_bytes) == 0
+
+    ok = make_server("--model", "resnet18", "--weights", "random")
+    ok.engine.compile_graphs(CompileSettings("auto", after=1, backend="eager", max_tracked=2,
+                                             max_graphs=1))
+    (graphs,) = ok.engine.compiled
+    m = ok.engine.models["resnet18"]
+    for name in names[:4]:
+        graphs.capture(m, torch.randn(1, 3, 32, 32),
+                       CapturePlan.for_batch(m, [(LayerSpec(name),)]))
+        assert graphs.wait_idle(600)
+    assert graphs.stats.compiles == 4 and graphs.stats.evictions == 3
+    assert len(graphs._layer_bytes) == len(graphs._sizes) == 2
 
 def test_bucket_and_warm_parsing(make_server):
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 32)] == [1, 2, 4, 4, 8, 8, 16, 32]

@@ -22,7 +22,7 @@ from .cache.front import AnswerCache
 from .cache.local import LocalCache
 from .cache.shared import SharedCache
 from .engine import Engine, EngineConfig
-from .engine.compiled import CompileSettings, parse_warm
+from .engine.config import CompileSettings, parse_warm
 from .errors import ConfigError
 from .labels import model_labels
 from .logs import LOUD

@@ -27,7 +27,11 @@ to the graph's outputs), the batch size a power of two, the input size exact
   many graphs of the layer set fit in the LRU together, else the padded bucket is the
   key, so parts do not evict each other without end. The LRU holds at most
   `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory
-  (`capture/compiled.graph_bytes`).
+  (`capture/compiled.graph_bytes`). What is remembered per key and per layer set
+  (batch counts, input sizes, memory estimates, failures) is bounded too, since
+  clients choose the layer sets and, in native mode, the input sizes: `max_tracked`
+  entries each, the least recently used forgotten first (a forgotten count or list
+  of sizes starts again; a forgotten failure is tried once more).
 - **Failures.** A layer set whose graph cannot be built or compiled is served eagerly
   from then on; the failure is logged once.
 - Attribute batches never come here: they keep the autograd path.
@@ -54,54 +58,9 @@ from ..models import ServedModel
 from ..precision import autocast
 from ..spec import LayerSpec
 from ..telemetry import Telemetry
+from .config import CompileSettings
 
 log = logging.getLogger("hookserve.compile")
-
-
-@dataclass(frozen=True)
-class Warm:
-    """A `--warm` entry: compile this layer set at start-up."""
-
-    model: str
-    layers: tuple[str, ...]
-    size: tuple[int, int] | None = None   # None: the model's default crop
-    batch: int = 1
-
-
-def parse_warm(text: str) -> Warm:
-    """`MODEL=LAYER[+LAYER...][@HxW][#BATCH]`, e.g. `resnet50=layer4+layer3:input@224x224#8`."""
-    model, sep, rest = text.partition("=")
-    rest, _, batch = rest.partition("#")
-    rest, _, size = rest.partition("@")
-    layers = tuple(x.strip() for x in rest.split("+") if x.strip())
-    try:
-        if not sep or not model.strip() or not layers:
-            raise ValueError
-        hw = None
-        if size:
-            h, _, w = size.lower().partition("x")
-            hw = (int(h), int(w or h))
-        warm = Warm(model.strip(), layers, hw, int(batch) if batch else 1)
-        if warm.batch < 1 or (hw and min(hw) < 1):
-            raise ValueError
-        return warm
-    except ValueError:
-        raise ConfigError(f"--warm {text!r}: write MODEL=LAYER[+LAYER...][@HxW][#BATCH], "
-                          "e.g. resnet50=layer4+layer3:input@224x224#8") from None
-
-
-@dataclass(frozen=True)
-class CompileSettings:
-    mode: str = "off"                  # "auto" | "off"
-    after: int = 2
-    max_graphs: int = 8
-    max_bytes: int = 2 << 30
-    warm: tuple[Warm, ...] = ()
-    #: torch.compile backend; "inductor" serves, others ("eager": dynamo alone) are for
-    #: checking the machinery without code generation
-    backend: str = "inductor"
-    #: input sizes compiled per layer set; batches of any other size stay eager
-    max_sizes: int = 2
 
 
 @dataclass
@@ -117,7 +76,43 @@ class Stats:
     failures: int = 0
     graph_bytes: int = 0
     pending: int = 0
-    compiled_keys: list = field(default_factory=list)
+    #: the keys of the most recent compiles (RECENT_COMPILES of them)
+    compiled_keys: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_COMPILES))
+
+
+#: How many compiled keys `Stats.compiled_keys` keeps.
+RECENT_COMPILES = 256
+
+
+class Recent:
+    """A mapping of at most `limit` entries: reading or writing one makes it the most
+    recent, and the least recent is forgotten when a new one would exceed the limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._d: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key, default=None):
+        if key not in self._d:
+            return default
+        self._d.move_to_end(key)
+        return self._d[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.limit:
+            self._d.popitem(last=False)
+
+    def pop(self, key, default=None):
+        return self._d.pop(key, default)
+
+    def __contains__(self, key) -> bool:
+        return key in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 def bucket(n: int) -> int:
@@ -139,13 +134,18 @@ class CompiledGraphs:
         self.telemetry = telemetry or Telemetry()
         self.stats = Stats()
         self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> (fn, bytes)
-        self._seen: collections.Counter = collections.Counter()
+        # What is remembered per key and per layer set is bounded (max_tracked each):
+        # clients choose layer sets and, in native mode, input sizes.
+        limit = self.settings.max_tracked
+        #: key -> the batches counted towards its compile
+        self._seen = Recent(limit)
         self._queued: set = set()
-        self._failed: set = set()   # (model name, points)
+        #: (model name, points) -> True: layer sets served eagerly after a failure
+        self._failed = Recent(limit)
         #: (model name, points) -> the input sizes compiled or queued for it
-        self._sizes: dict = collections.defaultdict(set)
+        self._sizes = Recent(limit)
         #: (model name, points) -> the memory estimate of one of its graphs
-        self._layer_bytes: dict = {}
+        self._layer_bytes = Recent(limit)
         self._lock = threading.Condition()
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -260,8 +260,9 @@ class CompiledGraphs:
         sizes = self._sizes.get((key[0], key[1]), ())
         if key[3] not in sizes and len(sizes) >= self.settings.max_sizes:
             return False
-        self._seen[key] += 1
-        return self._seen[key] >= self.settings.after
+        seen = self._seen.get(key, 0) + 1
+        self._seen[key] = seen
+        return seen >= self.settings.after
 
     def _submit(self, model: ServedModel, key) -> None:
         """Trace `key`'s graph here and queue its compile. torch.fx patches every
@@ -292,7 +293,8 @@ class CompiledGraphs:
             if key in self._queued or key in self._graphs:
                 return
             self._queued.add(key)
-            self._sizes[(key[0], key[1])].add(key[3])
+            layers = (key[0], key[1])
+            self._sizes[layers] = {*self._sizes.get(layers, ()), key[3]}
             self.stats.pending = len(self._queued)
             self._todo.put((model, key, gm))
             if self._thread is None:
@@ -323,7 +325,7 @@ class CompiledGraphs:
                 self._queued.discard(key)
                 self.stats.pending = len(self._queued)
                 if fn is None:
-                    self._failed.add((key[0], key[1]))
+                    self._failed[(key[0], key[1])] = True
                     self.stats.failures += 1
                     self.telemetry.compile_event("failure")
                 else:

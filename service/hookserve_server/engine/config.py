@@ -1,10 +1,13 @@
-"""The engine's configuration: its limits and batching knobs, which `app.py` sets from
-`hookserve serve`'s flags (`hookserve_server/config.py`)."""
+"""The engine's configuration: its limits and batching knobs, and the settings of the
+compiled graphs (`engine/compiled.py`), which `app.py` sets from `hookserve serve`'s
+flags (`hookserve_server/config.py`)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
+from ..errors import ConfigError
 
 
 @dataclass
@@ -40,3 +43,52 @@ class EngineConfig:
     max_attribution_cost: int = 1024
     #: Forward-equivalents of one Attribute pass; other work runs between passes.
     attribution_pass_cost: int = 16
+
+
+@dataclass(frozen=True)
+class Warm:
+    """A `--warm` entry: compile this layer set at start-up."""
+
+    model: str
+    layers: tuple[str, ...]
+    size: tuple[int, int] | None = None   # None: the model's default crop
+    batch: int = 1
+
+
+def parse_warm(text: str) -> Warm:
+    """`MODEL=LAYER[+LAYER...][@HxW][#BATCH]`, e.g. `resnet50=layer4+layer3:input@224x224#8`."""
+    model, sep, rest = text.partition("=")
+    rest, _, batch = rest.partition("#")
+    rest, _, size = rest.partition("@")
+    layers = tuple(x.strip() for x in rest.split("+") if x.strip())
+    try:
+        if not sep or not model.strip() or not layers:
+            raise ValueError
+        hw = None
+        if size:
+            h, _, w = size.lower().partition("x")
+            hw = (int(h), int(w or h))
+        warm = Warm(model.strip(), layers, hw, int(batch) if batch else 1)
+        if warm.batch < 1 or (hw and min(hw) < 1):
+            raise ValueError
+        return warm
+    except ValueError:
+        raise ConfigError(f"--warm {text!r}: write MODEL=LAYER[+LAYER...][@HxW][#BATCH], "
+                          "e.g. resnet50=layer4+layer3:input@224x224#8") from None
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    mode: str = "off"                  # "auto" | "off"
+    after: int = 2
+    max_graphs: int = 8
+    max_bytes: int = 2 << 30
+    warm: tuple[Warm, ...] = ()
+    #: torch.compile backend; "inductor" serves, others ("eager": dynamo alone) are for
+    #: checking the machinery without code generation
+    backend: str = "inductor"
+    #: input sizes compiled per layer set; batches of any other size stay eager
+    max_sizes: int = 2
+    #: keys and layer sets whose batch counts, input sizes, estimates and failures are
+    #: remembered (each; the least recently used are forgotten first)
+    max_tracked: int = 4096

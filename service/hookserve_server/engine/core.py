@@ -35,8 +35,8 @@ from .admission import Admission
 from .attribute import resolve_attribution
 from .attribute_memory import gradient_bytes
 from .budget import Budget
-from .compiled import CompiledGraphs, CompileSettings
-from .config import EngineConfig
+from .compiled import CompiledGraphs
+from .config import CompileSettings, EngineConfig
 from .extract import ExtractJob
 from .limits import Limits
 from .prepare import ImagePlan, Preparer
