@@ -10,7 +10,9 @@ JPEGs, `--max-batch-size 8`, 2 threads, on 127.0.0.1); `--clients` threads each 
 one image at a time with the SDK. Prints the
 images per second and, from the server's own metrics over the run: the batches and
 their sizes, forward milliseconds per batch and per image, preprocessing per image,
-the queue wait, and the compiled-graph events. This is the view behind the 8-client
+the queue wait, the compiled-graph events, and the server's CPU time per image: its
+two busiest threads (the model's thread and its OpenMP worker) and all the others
+(gRPC, preprocessing, compiles). This is the view behind the 8-client
 column of `bench.peers.run`: where a served forward pass spends its time when
 batches form under load (for example a batch of 5 padded to 8, or run as 4 + 1).
 """
@@ -18,6 +20,7 @@ batches form under load (for example a batch of 5 padded to 8, or run as 4 + 1).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import time
 import urllib.request
@@ -60,6 +63,19 @@ def sizes(text: str, model: str) -> dict[str, float]:
     return out
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of process `pid` so far (/proc, Linux)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:   # the thread ended
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick   # utime + stime
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=MODES, default="compiled")
@@ -83,12 +99,12 @@ def main() -> int:
         for extract, _ in conns:
             extract(data[0])
         parts = [data[i::a.clients] for i in range(a.clients)]
-        before = scrape(a.metrics_port)
+        before, cpu0 = scrape(a.metrics_port), thread_cpu(server.p.pid)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(a.clients) as pool:
             list(pool.map(lambda i: [conns[i][0](b) for b in parts[i]], range(a.clients)))
         wall = time.perf_counter() - t0
-        after = scrape(a.metrics_port)
+        after, cpu1 = scrape(a.metrics_port), thread_cpu(server.p.pid)
         for _, close in conns:
             close()
     finally:
@@ -107,6 +123,11 @@ def main() -> int:
     pre, wait = d["preprocess_seconds"], d["queue_wait_seconds"]
     print(f"  preprocess {1e3 * pre[0] / max(pre[1], 1):.2f} ms an image; "
           f"queue wait {1e3 * wait[0] / max(wait[1], 1):.1f} ms")
+    used = sorted((cpu1[t] - cpu0.get(t, 0.0) for t in cpu1), reverse=True)
+    print(f"  server CPU {1e3 * sum(used) / a.images:.1f} ms an image: the two busiest "
+          f"threads {1e3 * used[0] / a.images:.1f} and "
+          f"{1e3 * (used[1] if len(used) > 1 else 0) / a.images:.1f}, "
+          f"the other {max(len(used) - 2, 0)} {1e3 * sum(used[2:]) / a.images:.1f}")
     events = re.findall(r'hookserve_compile_events_total{event="(\w+)"} (\S+)', after)
     print("  compiled-graph events: " + (", ".join(f"{k} {float(v):.0f}" for k, v in events)
                                         or "none (--compile off)"))
