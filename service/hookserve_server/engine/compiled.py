@@ -108,9 +108,6 @@ class Recent:
     def pop(self, key, default=None):
         return self._d.pop(key, default)
 
-    def __contains__(self, key) -> bool:
-        return key in self._d
-
     def __len__(self) -> int:
         return len(self._d)
 
@@ -255,7 +252,7 @@ class CompiledGraphs:
     def _count(self, key) -> bool:
         """(Under the lock) count a batch of `key`: True when it is due a compile.
         A layer set compiles at most `max_sizes` input sizes; other sizes stay eager."""
-        if (key[0], key[1]) in self._failed or key in self._queued:
+        if self._failed.get((key[0], key[1])) or key in self._queued:
             return False
         sizes = self._sizes.get((key[0], key[1]), ())
         if key[3] not in sizes and len(sizes) >= self.settings.max_sizes:
