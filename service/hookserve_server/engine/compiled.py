@@ -59,6 +59,7 @@ from ..precision import autocast
 from ..spec import LayerSpec
 from ..telemetry import Telemetry
 from .config import CompileSettings
+from .recent import Recent
 
 log = logging.getLogger("hookserve.compile")
 
@@ -83,33 +84,6 @@ class Stats:
 
 #: How many compiled keys `Stats.compiled_keys` keeps.
 RECENT_COMPILES = 256
-
-
-class Recent:
-    """A mapping of at most `limit` entries: reading or writing one makes it the most
-    recent, and the least recent is forgotten when a new one would exceed the limit."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
-        self._d: collections.OrderedDict = collections.OrderedDict()
-
-    def get(self, key, default=None):
-        if key not in self._d:
-            return default
-        self._d.move_to_end(key)
-        return self._d[key]
-
-    def __setitem__(self, key, value) -> None:
-        self._d[key] = value
-        self._d.move_to_end(key)
-        while len(self._d) > self.limit:
-            self._d.popitem(last=False)
-
-    def pop(self, key, default=None):
-        return self._d.pop(key, default)
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 def bucket(n: int) -> int:
