@@ -322,8 +322,10 @@ def test_what_is_remembered_per_key_and_layer_set_is_bounded(make_server):
             graphs.capture(m, x, CapturePlan.for_batch(m, [(LayerSpec(name),)]))
     assert len(names) == 6 and len(graphs._seen) == 4, len(graphs._seen)
     assert graphs.stats.compiles == 0 and graphs.wait_idle(600)
-    # the most recent key is still counted: its second batch compiles it
-    graphs.capture(m, x, CapturePlan.for_batch(m, [(LayerSpec(names[-1]),)]))
+    # the most recent keys are still counted: the last batch (3 images, run as 2 + 1)
+    # counted the key of 1 image at 48x48, and a second batch of that key compiles it
+    graphs.capture(m, torch.randn(1, 3, 48, 48),
+                   CapturePlan.for_batch(m, [(LayerSpec(names[-1]),)]))
     assert graphs.wait_idle(600) and graphs.stats.compiles == 1
 
     def broken(gm, example_inputs):
