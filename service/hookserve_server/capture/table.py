@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from ..architectures import build_meta
 from ..errors import InvalidArgument
 from ..layouts import layout_of
+from ..recent import Recent
 from ..spec import DType, Layout
 from .reduce import DTYPE_OF_TORCH
 
@@ -89,20 +89,17 @@ class LayerTables:
         self._meta = build_meta(arch, num_classes)
         self._meta.eval().requires_grad_(False).to(dtype=dtype)
         self._lock = threading.Lock()
-        self._tables: OrderedDict[tuple[int, int], dict[str, LayerInfo]] = OrderedDict()
+        #: (height, width) -> its table, the CACHED_SIZES most recently used
+        self._tables: Recent = Recent(CACHED_SIZES)
 
     def at(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (cached, LRU)."""
         key = (int(height), int(width))
         with self._lock:
             table = self._tables.get(key)
-            if table is not None:
-                self._tables.move_to_end(key)
-                return table
-            table = self._dry_run(*key)
-            self._tables[key] = table
-            while len(self._tables) > CACHED_SIZES:
-                self._tables.popitem(last=False)
+            if table is None:
+                table = self._dry_run(*key)
+                self._tables[key] = table
             return table
 
     def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:

@@ -56,10 +56,10 @@ from ..capture.reduce import reduce
 from ..errors import ConfigError
 from ..models import ServedModel
 from ..precision import autocast
+from ..recent import Recent
 from ..spec import LayerSpec
 from ..telemetry import Telemetry
 from .config import CompileSettings
-from .recent import Recent
 
 log = logging.getLogger("hookserve.compile")
 

@@ -1,5 +1,6 @@
-"""A mapping that keeps only its most recently used entries (the compiled graphs'
-bookkeeping of keys and layer sets, which clients choose: engine/compiled.py)."""
+"""A mapping that keeps only its most recently used entries: the layer tables per input
+size (capture/table.py) and the compiled graphs' bookkeeping of keys and layer sets
+(engine/compiled.py), all of which clients choose."""
 
 from __future__ import annotations
 
