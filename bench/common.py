@@ -58,6 +58,17 @@ def images(n: int, side: int) -> list[bytes]:
     return [distinct[i % len(distinct)] for i in range(n)]
 
 
+def stat_cpu(path: str | Path) -> tuple[float, int] | None:
+    """(CPU seconds, user + system, and the session id) from a /proc/.../stat file of a
+    process or thread (Linux); None once it has ended."""
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # after the command: utime and stime are fields 14 and 15 of stat, the session 6
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[3])
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))

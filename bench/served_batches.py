@@ -26,7 +26,13 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.common import HOOKSERVE_PORT_RE, Proc, hookserve_argv, images  # sets OpenMP wait
+from bench.common import (  # sets the OpenMP wait first
+    HOOKSERVE_PORT_RE,
+    Proc,
+    hookserve_argv,
+    images,
+    stat_cpu,
+)
 from bench.peers.callers import HookserveCaller
 from bench.peers.run import MODES, WORK
 
@@ -65,15 +71,9 @@ def sizes(text: str, model: str) -> dict[str, float]:
 
 def thread_cpu(pid: int) -> dict[int, float]:
     """CPU seconds of each thread of process `pid` so far (/proc, Linux)."""
-    out, tick = {}, os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:   # the thread ended
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick   # utime + stime
-    return out
+    stats = {int(t): stat_cpu(f"/proc/{pid}/task/{t}/stat")
+             for t in os.listdir(f"/proc/{pid}/task")}
+    return {t: st[0] for t, st in stats.items() if st is not None}
 
 
 def main() -> int:

@@ -46,6 +46,7 @@ from bench.common import (  # sets the OpenMP wait first
     images,
     new_results,
     pct,
+    stat_cpu,
     write_results,
 )
 from bench.peers import callers, report
@@ -217,15 +218,8 @@ def cpu_seconds(proc: Proc | None) -> float:
     if proc is None:
         t = os.times()
         return t.user + t.system
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited while we looked
-        if int(fields[3]) == proc.p.pid:  # session id (field 6 of stat)
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-    return total / os.sysconf("SC_CLK_TCK")
+    stats = (stat_cpu(p) for p in Path("/proc").glob("[0-9]*/stat"))
+    return sum(cpu for cpu, session in filter(None, stats) if session == proc.p.pid)
 
 
 def floor_batched(hooked: Hooked, data: list[bytes], batch: int) -> float:
