@@ -335,6 +335,7 @@ def test_what_is_remembered_per_key_and_layer_set_is_bounded(make_server):
     s.engine.compile_graphs(CompileSettings("auto", after=1, backend=broken, max_tracked=2,
                                             max_graphs=2))
     (graphs,) = s.engine.compiled
+    m = s.engine.models["resnet18"]
     for name in names:
         x = torch.randn(1, 3, 32, 32)
         graphs.capture(m, x, CapturePlan.for_batch(m, [(LayerSpec(name),)]))
@@ -354,6 +355,7 @@ def test_what_is_remembered_per_key_and_layer_set_is_bounded(make_server):
         assert graphs.wait_idle(600)
     assert graphs.stats.compiles == 4 and graphs.stats.evictions == 3
     assert len(graphs._layer_bytes) == len(graphs._sizes) == 2
+
 
 def test_bucket_and_warm_parsing(make_server):
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 32)] == [1, 2, 4, 4, 8, 8, 16, 32]
