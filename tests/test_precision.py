@@ -1,5 +1,5 @@
 """--precision and --memory-format: bf16 autocast answers stay within the documented
-tolerance of fp32 per layer kind, channels_last answers equal contiguous ones, each
+tolerance of fp32 per layer kind (resnet and vgg, and the kinds other families add), channels_last answers equal contiguous ones, each
 model reports its precision in describe, start-up refuses what cannot run, and the
 answer cache keys on the precision."""
 
@@ -66,6 +66,45 @@ def test_bf16_within_the_documented_tolerance_per_layer_kind(make_server, images
             seen[(kind, model)] = d
             assert d <= BF16_TOL[kind], (kind, model, layer, d)
             assert d > 0, (kind, model, "bf16 answers equal fp32: autocast did not run")
+    print("bf16 max relative difference per layer kind:", seen)
+
+
+#: Layer kinds beyond resnet and vgg: kind -> (model, layer, reduction, tolerance). The
+#: input is 96 px (vit_b_32: 224); measured figures in docs/performance.md.
+FAMILY_KINDS = {
+    "batch norm": ("resnet18", "layer2.0.downsample.1", "none", 2e-2),
+    "last stage, no reduction": ("resnet18", "layer4", "none", 2e-2),
+    "depthwise conv": ("mobilenet_v3_small", "features.1.block.0.0", "none", 2e-2),
+    "squeeze-excitation": ("mobilenet_v3_small", "features.4.block.2", "none", 2e-2),
+    "layer norm (HWC)": ("convnext_tiny", "features.1.0.block.2", "none", 2e-2),
+    "gelu (HWC)": ("convnext_tiny", "features.1.0.block.4", "none", 2e-2),
+    "window attention (HWC)": ("swin_t", "features.1.0.attn", "none", 2e-2),
+    "transformer block (TD)": ("vit_b_32", "encoder.layers.encoder_layer_11", "none", 2e-2),
+    "class token": ("vit_b_32", "encoder.ln", "cls", 2e-2),
+    "mlp (TD)": ("vit_b_32", "encoder.layers.encoder_layer_0.mlp", "none", 2e-2),
+}
+
+
+@needs_bf16
+def test_bf16_within_the_documented_tolerance_across_families(make_server):
+    models = sorted({m for m, *_ in FAMILY_KINDS.values()})
+    flags = [f for m in models for f in ("--model", m)] + [
+        "--weights", "random", "--seed", "0", "--max-batch-delay-ms", "2"]
+    fp32, bf16 = make_server(*flags), make_server(*flags, "--precision", "bf16")
+    seen = {}
+    for kind, (model, layer, reduction, tol) in FAMILY_KINDS.items():
+        side = 224 if model.startswith("vit") else 96
+        images = [encode(rand_image(side, side + 16, seed=s)) for s in range(3)]
+        answers = []
+        for server in (fp32, bf16):
+            with server.client(timeout=300) as c:
+                out = list(c.extract_many(images, [layer], model, reduction=reduction,
+                                          resize=side, crop=side))
+            assert all(r.error is None for r in out), [r.error for r in out]
+            answers.append([r.features[layer] for r in out])
+        d = max(rel_diff(g, w) for w, g in zip(*answers, strict=True))
+        seen[kind] = float(f"{d:.1e}")
+        assert 0 < d <= tol, (kind, model, layer, d)
     print("bf16 max relative difference per layer kind:", seen)
 
 
