@@ -1,7 +1,8 @@
 """--precision and --memory-format: bf16 autocast answers stay within the documented
-tolerance of fp32 per layer kind (resnet and vgg, and the kinds other families add), channels_last answers equal contiguous ones, each
-model reports its precision in describe, start-up refuses what cannot run, and the
-answer cache keys on the precision."""
+tolerance of fp32 per layer kind (resnet and vgg, and the kinds other families add),
+channels_last answers equal contiguous ones, each model reports its precision in
+describe, start-up refuses what cannot run, and the answer cache keys on the
+precision."""
 
 from __future__ import annotations
 
