@@ -127,6 +127,43 @@ def test_channels_last_equals_contiguous_for_every_reduction_and_input(make_serv
                                                atol=1e-5 * np.abs(w[name]).max())
 
 
+#: channels_last beyond resnet and vgg: model -> (input side, layers of each layout)
+FAMILY_LAYERS = {
+    "mobilenet_v3_small": (96, ["features.1.block.0.0:input", "features.4.block.2",
+                                "classifier.0"]),
+    "convnext_tiny": (96, ["features.1.0.block.0", "features.1.0.block.2",
+                           "features.3.1:input", "classifier"]),
+    "densenet121": (96, ["features.denseblock2.denselayer3.conv1:input",
+                         "features.transition2.pool"]),
+    "swin_t": (96, ["features.1.0.attn", "features.5:input", "head"]),
+    "vit_b_32": (224, ["conv_proj", "encoder.layers.encoder_layer_3", "heads:input"]),
+}
+
+
+def test_channels_last_equals_contiguous_across_families(make_server):
+    flags = [f for m in FAMILY_LAYERS for f in ("--model", m)] + [
+        "--weights", "random", "--seed", "0", "--max-batch-delay-ms", "2"]
+    cont = make_server(*flags, "--memory-format", "contiguous")
+    cl = make_server(*flags, "--memory-format", "channels_last")
+    assert all(m.channels_last for m in cl.engine.models.values())
+    for model, (side, layers) in FAMILY_LAYERS.items():
+        images = [encode(rand_image(side, side + 8, seed=s)) for s in range(2)]
+        for reduction in ("none", "avg"):
+            answers = []
+            for server in (cont, cl):
+                with server.client(timeout=300) as c:
+                    out = list(c.extract_many(images, layers, model, reduction=reduction,
+                                              resize=side, crop=side))
+                assert all(r.error is None for r in out), [r.error for r in out]
+                answers.append([r.features for r in out])
+            for w, g in zip(*answers, strict=True):
+                for name in layers:
+                    assert g[name].shape == w[name].shape and g[name].flags["C_CONTIGUOUS"]
+                    np.testing.assert_allclose(g[name], w[name], rtol=1e-5,
+                                               atol=1e-5 * np.abs(w[name]).max(),
+                                               err_msg=f"{model} {name} {reduction}")
+
+
 def test_precision_per_model_parsing():
     names = ["resnet18", "vgg11"]
     assert per_model(names, []) == {"resnet18": Precision.FP32, "vgg11": Precision.FP32}
