@@ -159,3 +159,41 @@ def test_swin_blocks_are_channels_last():
     assert table["permute"].shape == (768, 7, 7) and table["permute"].layout is Layout.CHW
     assert table["head"].layout is Layout.D
     assert m.default_cam_layer == "features.7"
+
+
+def test_a_module_that_is_not_one_tensor_says_why_and_what_to_ask_for(families):
+    """Attention returns a tuple, an unused projection is never called: the error
+    names the reason and a layer that can be captured, which then works."""
+    s, _ = families
+    block = "encoder.layers.encoder_layer_0"
+    cases = {
+        f"{block}.self_attention": ("returns a tuple (tensor, None), not one tensor",
+                                    f"the next one to run is {block}.dropout"),
+        f"{block}.self_attention:input": ("neither its output nor its input is a layer",
+                                          f"the layer that ran before it, {block}.ln_1"),
+        f"{block}.self_attention.out_proj": ("its forward pass never calls", ""),
+    }
+    img = rand_image(224, 224, seed=3)
+    with s.client(timeout=120) as c:
+        for layer, (why, instead) in cases.items():
+            with pytest.raises(hookserve.InvalidArgument) as err:
+                c.extract(img, [layer], model="vit_b_16", native=True)
+            msg = str(err.value)
+            assert f"layer {layer!r} of vit_b_16 cannot be captured" in msg, msg
+            assert why in msg and instead in msg, msg
+        got = c.extract(img, [f"{block}.dropout", f"{block}.ln_1"], model="vit_b_16",
+                        native=True)
+    assert got[f"{block}.dropout"].shape == got[f"{block}.ln_1"].shape == (197, 768)
+
+
+def test_a_module_given_a_list_names_the_layer_inside_it():
+    from hookserve_server.capture.table import LayerTables
+
+    tables = LayerTables("densenet121", "densenet121", torch.float32)
+    table = tables.at(64, 64)
+    layer = "features.denseblock2.denselayer3"
+    assert layer in table and f"{layer}.norm1" in table   # its output is a layer
+    why = tables.why_not(f"{layer}:input")
+    assert why == (f"{layer} (_DenseLayer) takes a list of 3 tensors as its input, not one "
+                   f"tensor; ask for a layer inside it, such as {layer}.norm1:input")
+    assert tables.why_not("features.no_such_block") is None

@@ -91,6 +91,11 @@ class LayerTables:
         self._lock = threading.Lock()
         #: (height, width) -> its table, the CACHED_SIZES most recently used
         self._tables: Recent = Recent(CACHED_SIZES)
+        #: layer name -> why a module the forward pass calls is not in the tables:
+        #: its output (or, for "<name>:input", its input) is not one tensor
+        self._not_tensors: dict[str, str] = {}
+        self._paths = {path for path, _ in self._meta.named_modules() if path}
+        self._called: set[str] = set()   # module paths a forward pass called
 
     def at(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (cached, LRU)."""
@@ -102,10 +107,27 @@ class LayerTables:
                 self._tables[key] = table
             return table
 
+    def why_not(self, name: str) -> str | None:
+        """Why `name`, a module path (``:input`` or a call suffix allowed) that is in
+        no table, cannot be captured; None when it names no module at all."""
+        base, _ = split_input_name(name)
+        with self._lock:
+            why, called = self._not_tensors.get(name), base in self._called
+        if why is not None:
+            return why
+        if base in self._paths and not called:
+            return (f"{base} is a module of {self.model_name} that its forward pass never "
+                    "calls (its parent uses its weights directly), so nothing passes "
+                    "through it to capture")
+        return None
+
     def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
         found: list[tuple[str, str, str, torch.Tensor]] = []
         calls: dict[str, int] = {}
         inputs: dict[str, torch.Tensor] = {}   # layer name -> its input
+        # layer name -> (module path, type, what it returned or took, layers found before)
+        odd: dict[str, tuple[str, str, str, int]] = {}
+        starts: dict[str, int] = {}   # layer name -> layers found before its call
         handles = []
         for path, mod in self._meta.named_modules():
             if not path:
@@ -113,15 +135,22 @@ class LayerTables:
 
             def pre_hook(m, args, path=path):
                 k = calls.get(path, 0)
+                name = path if k == 0 else f"{path}_{k}"
                 if args and isinstance(args[0], torch.Tensor):
-                    inputs[path if k == 0 else f"{path}_{k}"] = args[0]
+                    inputs[name] = args[0]
+                    starts[name] = len(found)
+                else:
+                    what = _what(args[0]) if args else "keyword arguments only"
+                    odd[name + INPUT_SUFFIX] = (path, type(m).__name__, what, len(found))
 
             def hook(m, args, out, path=path):
                 k = calls.get(path, 0)
                 calls[path] = k + 1
+                name = path if k == 0 else f"{path}_{k}"
                 if isinstance(out, torch.Tensor):
-                    name = path if k == 0 else f"{path}_{k}"
                     found.append((name, path, type(m).__name__, out))
+                else:
+                    odd[name] = (path, type(m).__name__, _what(out), len(found))
 
             handles.append(mod.register_forward_pre_hook(pre_hook))
             handles.append(mod.register_forward_hook(hook))
@@ -146,7 +175,44 @@ class LayerTables:
                                     layout_of(shape, height, width),
                                     layout_of(in_shape, height, width) if in_shape
                                     else Layout.UNSPECIFIED)
+        reasons = {name: _why(name, path, typ, what, found[before:])
+                   for name, (path, typ, what, before) in odd.items()}
+        for name, (_, typ, what, _) in odd.items():
+            if name in inputs:   # a tensor in, something else out: neither is a layer
+                ran = found[starts[name] - 1][0] if starts[name] else None
+                reasons[name + INPUT_SUFFIX] = (
+                    f"{name} ({typ}) returns {what}, so neither its output nor its "
+                    "input is a layer" + (f"; its input is the output of the layer that "
+                                          f"ran before it, {ran}" if ran else ""))
+        self._not_tensors.update(reasons)   # (`at` holds the lock)
+        self._called.update(calls)
         return table
+
+
+def _what(value) -> str:
+    """A short description of a value that is not one tensor ("a tuple (tensor, None)")."""
+    if isinstance(value, (tuple, list)):
+        kind = type(value).__name__
+        if value and all(isinstance(v, torch.Tensor) for v in value):
+            return f"a {kind} of {len(value)} tensors"
+        items = ["tensor" if isinstance(v, torch.Tensor) else
+                 "None" if v is None else type(v).__name__ for v in value[:4]]
+        return f"a {kind} ({', '.join(items)}{', ...' if len(value) > 4 else ''})"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _why(name: str, path: str, typ: str, what: str, after: list) -> str:
+    """Why a module call is not a layer, and the layer to ask for instead: for an
+    output, the next layer to run; for an input, the first layer inside the module
+    (its input is usually what the module made of the one it was given)."""
+    base, on_input = split_input_name(name)
+    if on_input:
+        inner = next((n for n, p, _, _ in after if p.startswith(path + ".")), None)
+        hint = f"; ask for a layer inside it, such as {inner}{INPUT_SUFFIX}" if inner else ""
+        return f"{base} ({typ}) takes {what} as its input, not one tensor{hint}"
+    hint = (f"; ask for the layer that takes what it returns: the next one to run is "
+            f"{after[0][0]}" if after else "")
+    return f"{base} ({typ}) returns {what}, not one tensor{hint}"
 
 
 def _per_image(t: torch.Tensor) -> tuple[tuple[int, ...], int]:

@@ -306,6 +306,10 @@ def with_layouts(m: ServedModel, layers) -> tuple[LayerSpec, ...]:
 
 def unknown_layer_message(name: str, model: ServedModel) -> str:
     names = list(model.layer_index)
+    why = model.tables.why_not(name)
+    if why is not None:
+        return (f"layer {name!r} of {model.name} cannot be captured: {why}. DescribeModel "
+                f"(hookserve describe {model.name}) lists the layers that can")
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
     hint = f"closest valid layers: {', '.join(close)}" if close else (
         f"valid layers start with: {', '.join(names[:5])}")
