@@ -5,6 +5,7 @@ checkpoint in this process.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -98,18 +99,28 @@ def _wrapped(sd: dict, how: str):
         return {"epoch": 3, "model": sd, "optimizer": {"lr": torch.tensor(0.1)}}
     if how == "model_state_dict":
         return {"model_state_dict": sd}
+    if how == "lightning":   # a LightningModule holding the network as `self.model`
+        return {"epoch": 3, "state_dict": {**{f"model.{k}": v for k, v in sd.items()},
+                                           "loss_fn.weight": torch.ones(CLASSES)}}
+    if how == "stacked":   # torch.compile inside DataParallel, nested
+        return {"model": {f"module._orig_mod.{k}": v for k, v in sd.items()}}
     return {f"_orig_mod.{k}": v for k, v in sd.items()}  # torch.compile
 
 
 @pytest.mark.parametrize("how", ["state_dict+module", "model", "model_state_dict",
-                                 "compiled"])
-def test_nested_and_prefixed_checkpoints_load(tmp_path, how):
+                                 "compiled", "lightning", "stacked"])
+def test_nested_and_prefixed_checkpoints_load(tmp_path, how, caplog):
     ref = fine_tuned("resnet18", seed=4)
     path = tmp_path / "ckpt.pth"
     torch.save(_wrapped(ref.state_dict(), how), path)
-    model, info = build_model("resnet18", str(path))
+    with caplog.at_level(logging.INFO, logger="hookserve_server.checkpoints"):
+        model, info = build_model("resnet18", str(path))
     assert info.num_classes == CLASSES and model.fc.out_features == CLASSES
     assert info.digest == state_dict_digest(ref.state_dict())
+    left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert left_out == ([f"weights file {path}: the model's weights are under 'model.'; "
+                         "1 other keys left out (e.g. loss_fn.weight)"]
+                        if how == "lightning" else [])
 
 
 def test_prefixed_safetensors_load(tmp_path):

@@ -73,6 +73,12 @@ def build_meta(arch: str, num_classes: int | None = None) -> nn.Module:
 
 
 @functools.cache
+def state_dict_keys(arch: str) -> frozenset[str]:
+    """The state_dict keys of `arch` (read off a meta-device copy)."""
+    return frozenset(build_meta(arch).state_dict())
+
+
+@functools.cache
 def classifier_keys(arch: str) -> tuple[str, ...]:
     """The state_dict keys of `arch`'s classifier head (read off a meta-device copy)."""
     return tuple(head_keys(build_meta(arch), DEFAULT_CLASSES))

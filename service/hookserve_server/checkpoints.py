@@ -4,9 +4,11 @@ file, normalised, its classifier head's size read off, and checked against the m
 - ``.safetensors`` is read with the ``safetensors`` package (never unpickled);
   anything else with ``torch.load(weights_only=True)``.
 - A training checkpoint that nests the state_dict (``{"state_dict": ...}``,
-  ``{"model": ...}``, ``{"model_state_dict": ...}``) is unwrapped; the ``module.``
-  prefix of (Distributed)DataParallel and the ``_orig_mod.`` prefix of
-  ``torch.compile`` are dropped.
+  ``{"model": ...}``, ``{"model_state_dict": ...}``) is unwrapped. Keys under a prefix
+  are found by the architecture's own key names (`under_prefix`): ``module.``
+  ((Distributed)DataParallel), ``_orig_mod.`` (``torch.compile``), a Lightning
+  module's attribute (``model.``, ``net.``), or several of these; keys outside that
+  prefix (a loss's weights, say) are left out, and logged.
 - The number of classes comes from the checkpoint's head (`head_classes`): the model
   is built with that many outputs, so a fine-tuned head loads; the backbone must match.
 - A pickled whole model is refused with one line that says how to save a state_dict.
@@ -14,9 +16,11 @@ file, normalised, its classifier head's size read off, and checked against the m
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 import zipfile
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -24,13 +28,15 @@ from torch import nn
 
 from .errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 #: How to write a file hookserve loads, ending every weights-file error.
 SAVE_HINT = "save the weights alone with torch.save(model.state_dict(), PATH)"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: Keys under which training scripts nest the state_dict, tried in this order.
 NESTED_KEYS = ("state_dict", "model_state_dict", "model")
-#: Key prefixes added by wrappers: (Distributed)DataParallel, torch.compile.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: How many dot-separated parts a prefix (`under_prefix`) may have.
+PREFIX_DEPTH = 3
 SAFETENSORS_SUFFIX = ".safetensors"
 
 
@@ -77,8 +83,10 @@ def _is_tensor_dict(obj: object) -> bool:
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
 
 
-def normalise(obj: object, path: Path) -> dict[str, torch.Tensor]:
-    """The state_dict in what a file held: unnested, wrapper prefixes dropped."""
+def normalise(obj: object, path: Path, keys: Collection[str] = ()
+              ) -> dict[str, torch.Tensor]:
+    """The state_dict in what a file held: unnested, and, given the architecture's
+    own `keys`, the part of it under the prefix that holds them (`under_prefix`)."""
     if isinstance(obj, dict) and not _is_tensor_dict(obj):
         for key in NESTED_KEYS:
             if _is_tensor_dict(obj.get(key)):
@@ -89,25 +97,49 @@ def normalise(obj: object, path: Path) -> dict[str, torch.Tensor]:
                 if isinstance(obj, dict) else f"a {type(obj).__name__}")
         raise ConfigError(f"weights file {path} holds {held}, not a state_dict (a dict of "
                           f"tensors); {SAVE_HINT}")
-    for prefix in WRAPPER_PREFIXES:
-        if all(k.startswith(prefix) for k in obj):
-            obj = {k[len(prefix):]: v for k, v in obj.items()}
-    return obj
+    return under_prefix(obj, frozenset(keys), path) if keys else obj
 
 
-def read_state_dict(path: Path, arch: str) -> dict[str, torch.Tensor]:
-    """The state_dict in a weights file (`normalise`d); ConfigError in one line."""
+def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path
+                 ) -> dict[str, torch.Tensor]:
+    """`sd` with the prefix dropped under which most of its keys are the architecture's
+    `keys` (up to PREFIX_DEPTH parts: ``module.``, ``model.``, ``module._orig_mod.``);
+    `sd` itself when its own keys are as good. Keys outside the prefix are left out
+    and logged. A checkpoint of another architecture matches nothing and is returned
+    as it is, for `load_into` to report."""
+    counts: dict[str, int] = {"": sum(1 for k in sd if k in keys)}
+    for k in sd:
+        parts = k.split(".")
+        for i in range(1, min(len(parts), PREFIX_DEPTH + 1)):
+            prefix = ".".join(parts[:i]) + "."
+            if k[len(prefix):] in keys:
+                counts[prefix] = counts.get(prefix, 0) + 1
+    prefix = max(counts, key=lambda p: (counts[p], -len(p)))
+    if not prefix or counts[prefix] == 0:
+        return sd
+    kept = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    left = [k for k in sd if not k.startswith(prefix)]
+    if left:
+        log.info("weights file %s: the model's weights are under %r; %d other keys left "
+                 "out (e.g. %s)", path, prefix, len(left), ", ".join(left[:3]))
+    return kept
+
+
+def read_state_dict(path: Path, arch: str, keys: Collection[str] = ()
+                    ) -> dict[str, torch.Tensor]:
+    """The state_dict in a weights file (`normalise`d with the architecture's own
+    `keys`); ConfigError in one line."""
     if not path.is_file():
         raise ConfigError(f"weights file {path} does not exist (for model {arch})")
     if path.suffix == SAFETENSORS_SUFFIX:
-        return normalise(_read_safetensors(path), path)
+        return normalise(_read_safetensors(path), path, keys)
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
             warnings.simplefilter("ignore")
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ConfigError(_load_error(path, exc)) from None
-    return normalise(obj, path)
+    return normalise(obj, path, keys)
 
 
 def head_keys(model: nn.Module, num_classes: int) -> list[str]:

@@ -22,6 +22,7 @@ from .architectures import (
     check_timm,
     classifier_keys,
     is_timm,
+    state_dict_keys,
     timm_transforms,
 )
 from .capture.reduce import DTYPES
@@ -176,7 +177,7 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
         return model, WeightsInfo("random", f"seed={seed}",
                                   state_dict_digest(model.state_dict()), False)
     path = Path(weights).expanduser()
-    sd = read_state_dict(path, arch)
+    sd = read_state_dict(path, arch, state_dict_keys(arch))
     classes = head_classes(sd, list(classifier_keys(arch))) or DEFAULT_CLASSES
     model = build(arch, classes)  # a fine-tuned head: as many outputs as the checkpoint
     load_into(model, sd, f"weights file {path}", arch)
