@@ -15,10 +15,12 @@ import pytest
 import torch
 import torchvision
 
+import hookserve
+from hookserve_server.architectures import classifier_keys
 from hookserve_server.errors import ConfigError
 from hookserve_server.models import build_model, state_dict_digest
 
-from conftest import rand_image
+from conftest import RunningServer, rand_image
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -131,6 +133,66 @@ def test_prefixed_safetensors_load(tmp_path):
     model, info = build_model("vgg11", str(path))
     assert info.num_classes == CLASSES and model.classifier[6].out_features == CLASSES
     assert info.digest == state_dict_digest(ref.state_dict())
+
+
+def test_a_backbone_saved_without_its_head_serves_its_features(make_server, tmp_path):
+    """A backbone saved for its features (its head an nn.Identity, so the file holds
+    none) serves every layer, the head's name giving the pooled features; Attribute
+    and class names are refused, each in one line."""
+    ref = fine_tuned("resnet18", seed=6)
+    ref.fc = torch.nn.Identity()
+    path = tmp_path / "backbone.safetensors"
+    safetensors_torch.save_file(ref.state_dict(), str(path))
+    s = make_server("--model", "resnet18", "--weights", str(path))
+    img = rand_image(SIDE, SIDE, seed=2)
+    geometry = {"resize": SIDE, "crop": SIDE}
+    with s.client(timeout=120) as c:
+        (m,) = c.list_models()
+        assert m.num_classes == 0
+        d = c.describe("resnet18", SIDE)
+        assert (d.layers[-1].name, d.layers[-1].shape) == ("fc", (512,))
+        got = c.extract(img, ["layer3", "fc"], model="resnet18", **geometry)
+        want = hooked(ref, img, ["layer3", "fc"], m.mean, m.std)
+        for name in ("layer3", "fc"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)
+        with pytest.raises(hookserve.InvalidArgument, match="model resnet18 has no "
+                           "classifier head .* Attribute needs a model with a head"):
+            c.attribute(img, model="resnet18", **geometry)
+        assert c.extract(img, ["fc"], model="resnet18", **geometry)["fc"].shape == (512,)
+    (tmp_path / "names.txt").write_text("cat\ndog\n")
+    with pytest.raises(ConfigError, match="hold no classifier head, so it has no classes"):
+        RunningServer(["--model", "resnet18", "--weights", str(path), "--labels",
+                       str(tmp_path / "names.txt")], start=False)
+
+
+@pytest.mark.parametrize("arch", ["vgg11", "convnext_tiny", "vit_b_32", "squeezenet1_1",
+                                  "googlenet", "mnasnet0_5"])
+def test_headless_backbones_of_each_family_load(tmp_path, arch):
+    """Each family's head (fc, classifier.N, heads.head, a 1x1 convolution, auxiliary
+    heads) is left out of the file and becomes nn.Identity; a safetensors file (no
+    module versions, which mnasnet checks) loads too."""
+    torch.manual_seed(7)
+    ref = torchvision.models.get_model(arch, weights=None).eval()
+    heads = classifier_keys(arch)
+    path = tmp_path / "backbone.safetensors"
+    safetensors_torch.save_file({k: v.contiguous() for k, v in ref.state_dict().items()
+                                 if k not in heads}, str(path))
+    model, info = build_model(arch, str(path))
+    assert info.num_classes == 0
+    assert not any(k in heads for k in model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
+
+
+def test_a_head_of_another_shape_is_named_in_one_line(tmp_path):
+    ref = fine_tuned("resnet18")
+    ref.fc = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(512, CLASSES))
+    path = tmp_path / "seq.pt"
+    torch.save(ref.state_dict(), path)
+    with pytest.raises(ConfigError, match=r"its classifier head \(fc.1.weight, fc.1.bias\) "
+                       r"is not torchvision's resnet18 head \(fc.weight, fc.bias\)") as err:
+        build_model("resnet18", str(path))
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("case,match", [

@@ -117,7 +117,8 @@ class ModelInfo:
     crop: tuple[int, int]
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    #: Classes of the classifier head (0 from a server that does not say).
+    #: Classes of the classifier head (0: the model has none, its weights file held
+    #: no head; or a server that does not say).
     num_classes: int = 0
     #: Class names in index order; () when the classes have none.
     labels: tuple[str, ...] = ()

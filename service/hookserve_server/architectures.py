@@ -21,6 +21,10 @@ from .errors import ConfigError
 
 #: Outputs of torchvision's classifiers as built without arguments (ImageNet-1k).
 DEFAULT_CLASSES = 1000
+#: The number of classes of a model served without a classifier head (its weights file
+#: holds none, as a backbone saved for its features does): the head's layers become
+#: nn.Identity, so the head's name gives the features it would have read.
+NO_HEAD = 0
 
 
 def is_timm(arch: str) -> bool:
@@ -45,11 +49,16 @@ def check_timm(arch: str) -> None:
 
 def build(arch: str, num_classes: int | None = None) -> nn.Module:
     """`arch` with random weights (on the current default device), with `num_classes`
-    outputs (None: the architecture's default). ``timm:<name>`` builds a timm model,
-    never downloading weights."""
+    outputs (None: the architecture's default; NO_HEAD: none, the head's layers are
+    nn.Identity). ``timm:<name>`` builds a timm model, never downloading weights."""
     kwargs = {} if num_classes in (None, DEFAULT_CLASSES) else {"num_classes": num_classes}
-    if is_timm(arch):
+    if is_timm(arch):   # (timm's num_classes=0 is its own model without a head)
         return _timm().create_model(arch[len(TIMM_PREFIX):], pretrained=False, **kwargs)
+    if num_classes == NO_HEAD:
+        model = torchvision.models.get_model(arch, weights=None)
+        for path in {k.rsplit(".", 1)[0] for k in head_keys(model, DEFAULT_CLASSES)}:
+            model.set_submodule(path, nn.Identity())
+        return model
     return torchvision.models.get_model(arch, weights=None, **kwargs)
 
 

@@ -10,12 +10,16 @@ file, normalised, its classifier head's size read off, and checked against the m
   module's attribute (``model.``, ``net.``), or several of these; keys outside that
   prefix (a loss's weights, say) are left out, and logged.
 - The number of classes comes from the checkpoint's head (`head_classes`): the model
-  is built with that many outputs, so a fine-tuned head loads; the backbone must match.
+  is built with that many outputs, so a fine-tuned head loads, or without a head when
+  the file holds none; the backbone must match, and a head of another shape is named
+  as such (`load_into`). Module versions a file lacks (safetensors keeps none) are the
+  current code's.
 - A pickled whole model is refused with one line that says how to save a state_dict.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import warnings
@@ -161,13 +165,23 @@ def head_classes(sd: dict[str, torch.Tensor], keys: list[str]) -> int | None:
     return int(sd[weights[-1]].shape[0]) if weights else None
 
 
-def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: str) -> None:
-    """Load `sd` strictly, or raise one line naming what does not match."""
+def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: str,
+              head: Collection[str] = ()) -> None:
+    """Load `sd` strictly, or raise one line naming what does not match (`head`: the
+    architecture's head keys, to say so when only the head differs)."""
     own = model.state_dict()
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
     wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
              for k in own if k in sd and sd[k].shape != own[k].shape]
+    modules = {k.rsplit(".", 1)[0] for k in head}
+    if unexpected and not wrong and all(k in head for k in missing) and all(
+            any(k.startswith(m + ".") for m in modules) for k in unexpected):
+        raise ConfigError(
+            f"{where}: its classifier head ({', '.join(unexpected[:4])}) is not "
+            f"torchvision's {arch} head ({', '.join(head)}), and a head of another shape "
+            "(an nn.Sequential, say) cannot be rebuilt from its weights: save the model "
+            "with torchvision's head, or without a head to serve the backbone's features")
     if missing or unexpected or wrong:
         parts = []
         if missing:
@@ -180,4 +194,11 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
             f"{where} does not match architecture {arch}: " + "; ".join(parts)
             + ". Is it the state_dict of a torchvision " + arch + "?"
         )
-    model.load_state_dict(sd, strict=True)
+    if getattr(sd, "_metadata", None) is None:   # lost when keys were renamed, or safetensors
+        sd = collections.OrderedDict(sd)
+        sd._metadata = getattr(own, "_metadata", None)  # type: ignore[attr-defined]
+    try:
+        model.load_state_dict(sd, strict=True)
+    except Exception as exc:   # a module's own checks (versions, say)
+        raise ConfigError(f"{where} could not be loaded into {arch}: "
+                          + " ".join(str(exc).split())) from None

@@ -70,6 +70,10 @@ def model_labels(model: str, arch: str, source: str, num_classes: int,
     if path is None:
         names = imagenet_labels(arch) if source == "imagenet" else ()
         return names if len(names) == num_classes else ()
+    if num_classes == 0:   # a model served without its head
+        raise ConfigError(f"--labels {model}={path}: the weights of {model} hold no "
+                          "classifier head, so it has no classes to name: drop the labels "
+                          "or serve weights with a head")
     names = read_labels(path)
     if len(names) != num_classes:
         raise ConfigError(f"--labels {model}={path} has {len(names)} class names but the "

@@ -18,6 +18,7 @@ from torch import nn
 
 from .architectures import (
     DEFAULT_CLASSES,
+    NO_HEAD,
     build,
     check_timm,
     classifier_keys,
@@ -48,7 +49,7 @@ class WeightsInfo:
     digest: str          # "sha256:..."
     pretrained: bool
     verified: bool = False
-    #: Outputs of the classifier head the weights carry.
+    #: Outputs of the classifier head the weights carry (NO_HEAD: they carry none).
     num_classes: int = DEFAULT_CLASSES
 
 
@@ -178,9 +179,17 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
                                   state_dict_digest(model.state_dict()), False)
     path = Path(weights).expanduser()
     sd = read_state_dict(path, arch, state_dict_keys(arch))
-    classes = head_classes(sd, list(classifier_keys(arch))) or DEFAULT_CLASSES
-    model = build(arch, classes)  # a fine-tuned head: as many outputs as the checkpoint
-    load_into(model, sd, f"weights file {path}", arch)
+    head = classifier_keys(arch)
+    classes = head_classes(sd, list(head))
+    # a fine-tuned head: as many outputs as the checkpoint's; none in the file: no head
+    model = build(arch, NO_HEAD if classes is None else classes)
+    load_into(model, sd, f"weights file {path}", arch, head)
+    if classes is None:
+        classes = NO_HEAD
+        log.info("%s: weights file %s holds no classifier head (%s): serving the backbone, "
+                 "with %s giving the features the head would read; Attribute needs a head",
+                 arch, path, ", ".join(head),
+                 " and ".join(sorted({k.rsplit(".", 1)[0] for k in head})))
     return model, WeightsInfo("file", path.name, state_dict_digest(model.state_dict()), True,
                               num_classes=classes)
 
@@ -246,6 +255,11 @@ class ServedModel:
         #: The layer the CAM methods explain when none is named.
         self.default_cam_layer = default_cam_layer(arch, self.layer_table(*self.defaults.crop),
                                                    self.modules)
+
+    @property
+    def has_head(self) -> bool:
+        """Whether the model has a classifier head (NO_HEAD: its weights file had none)."""
+        return self.weights.num_classes != NO_HEAD
 
     def layer_table(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (capture/table.py)."""

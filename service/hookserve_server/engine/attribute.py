@@ -115,6 +115,11 @@ def resolve_attribution(limits: Limits, config: EngineConfig, m: ServedModel,
                         spec: AttributionSpec) -> ResolvedSpec:
     """Validate an AttributionSpec for model `m` whose layer (if any) is known to exist
     (the engine checks names as for Extract); raises InvalidArgument."""
+    if not m.has_head:
+        raise InvalidArgument(
+            f"model {m.name} has no classifier head (its weights file holds none), so "
+            "there are no class scores to explain: Attribute needs a model with a head; "
+            "Extract serves this one's layers")
     table = m.layer_table(*m.defaults.crop)
     num_classes = math.prod(list(table.values())[-1].shape)
     method = spec.method
