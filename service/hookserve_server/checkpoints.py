@@ -13,7 +13,8 @@ file, normalised, its classifier head's size read off, and checked against the m
   is built with that many outputs, so a fine-tuned head loads, or without a head when
   the file holds none; the backbone must match, and a head of another shape is named
   as such (`load_into`). Module versions a file lacks (safetensors keeps none) are the
-  current code's.
+  current code's, and so is batch norm's step counter (``num_batches_tracked``, which
+  checkpoints of older torch lack; evaluation never reads it).
 - A pickled whole model is refused with one line that says how to save a state_dict.
 """
 
@@ -39,6 +40,8 @@ SAVE_HINT = "save the weights alone with torch.save(model.state_dict(), PATH)"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: Keys under which training scripts nest the state_dict, tried in this order.
 NESTED_KEYS = ("state_dict", "model_state_dict", "model")
+#: The buffer batch norm counts its training steps in, which a file may lack.
+BN_COUNTER = ".num_batches_tracked"
 #: How many dot-separated parts a prefix (`under_prefix`) may have.
 PREFIX_DEPTH = 3
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -170,6 +173,10 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
     """Load `sd` strictly, or raise one line naming what does not match (`head`: the
     architecture's head keys, to say so when only the head differs)."""
     own = model.state_dict()
+    # batch norm's step counter (older torch saved none; eval never reads it)
+    counters = [k for k in own if k.endswith(BN_COUNTER) and k not in sd]
+    if counters:
+        sd = {**sd, **{k: own[k] for k in counters}}
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
     wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
