@@ -197,3 +197,13 @@ def test_a_module_given_a_list_names_the_layer_inside_it():
     assert why == (f"{layer} (_DenseLayer) takes a list of 3 tensors as its input, not one "
                    f"tensor; ask for a layer inside it, such as {layer}.norm1:input")
     assert tables.why_not("features.no_such_block") is None
+
+
+def test_a_container_the_forward_pass_never_calls_names_what_it_calls():
+    from hookserve_server.capture.table import LayerTables
+
+    tables = LayerTables("maxvit_t", "maxvit_t", torch.float32)
+    assert "blocks" not in tables.at(224, 224) and "blocks.0" in tables.at(224, 224)
+    assert tables.why_not("blocks") == (
+        "blocks (ModuleList) is a container the forward pass never calls itself: it calls "
+        "the modules inside it, such as blocks.0")

@@ -186,6 +186,51 @@ def test_headless_backbones_of_each_family_load(tmp_path, arch):
         assert torch.equal(v, ref.state_dict()[k]), k
 
 
+@pytest.mark.parametrize("arch,aux,head", [
+    ("googlenet", True, "fine-tuned"), ("googlenet", False, "fine-tuned"),
+    ("inception_v3", True, "fine-tuned"), ("inception_v3", True, "none"),
+    ("googlenet", False, "none")])
+def test_training_only_heads_are_left_out(tmp_path, arch, aux, head):
+    """googlenet's and inception_v3's auxiliary heads run only in training: a file with
+    or without them loads (fine-tuned, or without its head), and answers as the model
+    it was saved from does in eval mode."""
+    torch.manual_seed(8)
+    ref = torchvision.models.get_model(arch, weights=None, aux_logits=aux, init_weights=False,
+                                       num_classes=CLASSES).eval()
+    if head == "none":
+        ref.fc = torch.nn.Identity()
+    path = tmp_path / "saved.pt"
+    torch.save(ref.state_dict(), path)
+    model, info = build_model(arch, str(path))
+    assert info.num_classes == (CLASSES if head == "fine-tuned" else 0)
+    x = torch.rand(1, 3, 80, 80)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), ref(x))
+
+
+def test_two_copies_of_the_model_are_refused_by_name(tmp_path):
+    """A teacher and a student (or MoCo's two encoders) in one file: which one to serve
+    is the user's to say."""
+    a, b = fine_tuned("resnet18", seed=1), fine_tuned("resnet18", seed=2)
+    path = tmp_path / "moco.pt"
+    torch.save({"state_dict": {**{f"encoder_k.{k}": v for k, v in b.state_dict().items()},
+                               **{f"encoder_q.{k}": v for k, v in a.state_dict().items()}}},
+               path)
+    with pytest.raises(ConfigError, match=r"under 2 prefixes \(encoder_k., encoder_q.\), and "
+                       r"which one to serve is not clear"):
+        build_model("resnet18", str(path))
+
+
+def test_a_whole_classifier_left_out_says_which_layer_may_be(tmp_path):
+    m = torchvision.models.mobilenet_v3_small()
+    m.classifier = torch.nn.Identity()
+    path = tmp_path / "mv3.pt"
+    torch.save(m.state_dict(), path)
+    with pytest.raises(ConfigError, match=r"holds none of mobilenet_v3_small's classifier "
+                       r"\(classifier.0.weight, .*only the head's last layer \(classifier.3\)"):
+        build_model("mobilenet_v3_small", str(path))
+
+
 def test_a_head_of_another_shape_is_named_in_one_line(tmp_path):
     ref = fine_tuned("resnet18")
     ref.fc = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(512, CLASSES))

@@ -53,3 +53,22 @@ def test_timm_random_weights_and_refusals():
         build_model("timm:resnet18", "imagenet")
     with pytest.raises(ConfigError, match="unknown timm model 'resnet19'"):
         build_model("timm:resnet19", "random")
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224.augreg_in21k", "resnet18"])
+def test_timm_heads_of_any_size_and_none(tmp_path, name):
+    """A timm model's own head size (21843 classes for an in21k model) is read off its
+    file, and a file without a head serves the backbone (timm's num_classes=0)."""
+    torch.manual_seed(5)
+    m = timm.create_model(name, pretrained=False)
+    torch.save(m.state_dict(), tmp_path / "full.pt")
+    _, info = build_model(f"timm:{name}", str(tmp_path / "full.pt"))
+    assert info.num_classes == m.num_classes
+    m.reset_classifier(0)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in m.state_dict().items()}},
+               tmp_path / "backbone.pt")
+    model, info = build_model(f"timm:{name}", str(tmp_path / "backbone.pt"))
+    assert info.num_classes == 0
+    x = torch.rand(1, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), m.eval()(x))

@@ -128,3 +128,26 @@ def test_flags_that_would_break_the_server_are_refused_at_startup(flag, value):
     args = build_parser().parse_args(["serve", *R18, "--device", "cpu", flag, value])
     with pytest.raises(ConfigError, match=flag):
         build(args)
+
+
+@pytest.mark.parametrize("arch", ["googlenet", "inception_v3"])
+def test_imagenet_weights_build_the_model_torchvision_builds_for_them(monkeypatch, tmp_path,
+                                                                       arch):
+    """torchvision's ImageNet googlenet and inception_v3 re-normalise their input inside
+    the model (transform_input) and drop their training-only auxiliary heads; the
+    served model does the same, so its features are torchvision's."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    path = imagenet_cache_path(arch)
+    path.parent.mkdir(parents=True)
+    torch.manual_seed(12)
+    full = torchvision.models.get_model(arch, weights=None, aux_logits=True, init_weights=False)
+    torch.save(full.state_dict(), path)   # as torchvision publishes them: aux heads too
+    model, info = build_model(arch, "imagenet")
+    ref = torchvision.models.get_model(arch, weights=None, aux_logits=False,
+                                       transform_input=True, init_weights=False)
+    ref.load_state_dict({k: v for k, v in full.state_dict().items()
+                         if not k.startswith(("aux1.", "aux2.", "AuxLogits."))})
+    assert model.transform_input and info.num_classes == 1000
+    x = torch.rand(1, 3, 96, 96) if arch == "googlenet" else torch.rand(1, 3, 80, 80)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), ref.eval()(x))

@@ -47,19 +47,44 @@ def check_timm(arch: str) -> None:
                           "(timm.list_models() lists them)")
 
 
-def build(arch: str, num_classes: int | None = None) -> nn.Module:
+#: Heads that run only in training (torchvision's googlenet and inception_v3): models
+#: are built without them, and a weights file's keys for them are left out.
+AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
+#: Architectures whose ImageNet weights expect their input re-normalised inside the
+#: model: torchvision sets ``transform_input=True`` when it loads those weights.
+TRANSFORM_INPUT = ("googlenet", "inception_v3")
+
+
+def build(arch: str, num_classes: int | None = None, imagenet: bool = False) -> nn.Module:
     """`arch` with random weights (on the current default device), with `num_classes`
     outputs (None: the architecture's default; NO_HEAD: none, the head's layers are
-    nn.Identity). ``timm:<name>`` builds a timm model, never downloading weights."""
-    kwargs = {} if num_classes in (None, DEFAULT_CLASSES) else {"num_classes": num_classes}
+    nn.Identity), as torchvision builds it for its ImageNet weights when `imagenet`.
+    ``timm:<name>`` builds a timm model, never downloading weights."""
     if is_timm(arch):   # (timm's num_classes=0 is its own model without a head)
+        kwargs = {} if num_classes is None else {"num_classes": num_classes}
         return _timm().create_model(arch[len(TIMM_PREFIX):], pretrained=False, **kwargs)
+    kwargs: dict = {} if num_classes in (None, DEFAULT_CLASSES, NO_HEAD) else {
+        "num_classes": num_classes}
+    if arch in AUX_HEADS:
+        kwargs["aux_logits"] = False
+    if imagenet and arch in TRANSFORM_INPUT:
+        kwargs["transform_input"] = True
+    model = torchvision.models.get_model(arch, weights=None, **kwargs)
     if num_classes == NO_HEAD:
-        model = torchvision.models.get_model(arch, weights=None)
-        for path in {k.rsplit(".", 1)[0] for k in head_keys(model, DEFAULT_CLASSES)}:
+        for path in {k.rsplit(".", 1)[0] for k in head_keys(model, default_classes(model))}:
             model.set_submodule(path, nn.Identity())
-        return model
-    return torchvision.models.get_model(arch, weights=None, **kwargs)
+    return model
+
+
+def default_classes(model: nn.Module) -> int:
+    """The number of classes `model` was built with by default (timm models say)."""
+    return int(getattr(model, "num_classes", DEFAULT_CLASSES) or DEFAULT_CLASSES)
+
+
+def without_aux_heads(arch: str, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sd` without the keys of `arch`'s training-only heads (AUX_HEADS)."""
+    prefixes = AUX_HEADS.get(arch)
+    return {k: v for k, v in sd.items() if not k.startswith(prefixes)} if prefixes else sd
 
 
 def timm_transforms(arch: str) -> tuple[int, tuple[int, int], tuple, tuple]:
@@ -90,4 +115,5 @@ def state_dict_keys(arch: str) -> frozenset[str]:
 @functools.cache
 def classifier_keys(arch: str) -> tuple[str, ...]:
     """The state_dict keys of `arch`'s classifier head (read off a meta-device copy)."""
-    return tuple(head_keys(build_meta(arch), DEFAULT_CLASSES))
+    meta = build_meta(arch)
+    return tuple(head_keys(meta, default_classes(meta)))

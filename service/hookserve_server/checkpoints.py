@@ -8,7 +8,9 @@ file, normalised, its classifier head's size read off, and checked against the m
   are found by the architecture's own key names (`under_prefix`): ``module.``
   ((Distributed)DataParallel), ``_orig_mod.`` (``torch.compile``), a Lightning
   module's attribute (``model.``, ``net.``), or several of these; keys outside that
-  prefix (a loss's weights, say) are left out, and logged.
+  prefix (a loss's weights, say) are left out, and logged. Two copies of the model
+  under two prefixes (a teacher and a student) are refused: which one is meant is
+  the user's to say.
 - The number of classes comes from the checkpoint's head (`head_classes`): the model
   is built with that many outputs, so a fine-tuned head loads, or without a head when
   the file holds none; the backbone must match, and a head of another shape is named
@@ -112,8 +114,9 @@ def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path
     """`sd` with the prefix dropped under which most of its keys are the architecture's
     `keys` (up to PREFIX_DEPTH parts: ``module.``, ``model.``, ``module._orig_mod.``);
     `sd` itself when its own keys are as good. Keys outside the prefix are left out
-    and logged. A checkpoint of another architecture matches nothing and is returned
-    as it is, for `load_into` to report."""
+    and logged; two prefixes that hold as many (two copies of the model) are refused.
+    A checkpoint of another architecture matches nothing and is returned as it is, for
+    `load_into` to report."""
     counts: dict[str, int] = {"": sum(1 for k in sd if k in keys)}
     for k in sd:
         parts = k.split(".")
@@ -124,6 +127,12 @@ def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path
     prefix = max(counts, key=lambda p: (counts[p], -len(p)))
     if not prefix or counts[prefix] == 0:
         return sd
+    rivals = sorted(p for p in counts if counts[p] == counts[prefix])
+    if len(rivals) > 1:   # two copies of the model (a teacher and a student, an EMA)
+        raise ConfigError(
+            f"weights file {path} holds the model's weights under {len(rivals)} prefixes "
+            f"({', '.join(rivals)}), and which one to serve is not clear: save that one "
+            f"alone, e.g. torch.save(model.{rivals[0].rstrip('.')}.state_dict(), PATH)")
     kept = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
     left = [k for k in sd if not k.startswith(prefix)]
     if left:
@@ -168,6 +177,28 @@ def head_classes(sd: dict[str, torch.Tensor], keys: list[str]) -> int | None:
     return int(sd[weights[-1]].shape[0]) if weights else None
 
 
+def _head_mismatch(sd, missing: list[str], unexpected: list[str], head: Collection[str],
+                   arch: str) -> str | None:
+    """What is wrong when only the classifier differs from the architecture's: a head of
+    another shape, or a whole classifier left out where only its last layer may be."""
+    modules = {k.rsplit(".", 1)[0] for k in head}
+    if unexpected and all(k in head for k in missing) and all(
+            any(k.startswith(m + ".") for m in modules) for k in unexpected):
+        return (f"its classifier head ({', '.join(unexpected[:4])}) is not torchvision's "
+                f"{arch} head ({', '.join(head)}), and a head of another shape (an "
+                "nn.Sequential, say) cannot be rebuilt from its weights: save the model with "
+                "torchvision's head, or without a head to serve the backbone's features")
+    parents = {m.rsplit(".", 1)[0] for m in modules if "." in m}
+    if missing and not unexpected and len(parents) == 1 and not any(k in sd for k in head):
+        (parent,) = parents
+        if all(k.startswith(parent + ".") for k in missing):
+            return (f"it holds none of {arch}'s {parent} ({', '.join(missing[:3])} missing): "
+                    "a backbone serves without its head when only the head's last layer "
+                    f"({', '.join(sorted(modules))}) is left out; set that layer, not the "
+                    f"whole {parent}, to nn.Identity before saving")
+    return None
+
+
 def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: str,
               head: Collection[str] = ()) -> None:
     """Load `sd` strictly, or raise one line naming what does not match (`head`: the
@@ -176,19 +207,17 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
     # batch norm's step counter (older torch saved none; eval never reads it)
     counters = [k for k in own if k.endswith(BN_COUNTER) and k not in sd]
     if counters:
-        sd = {**sd, **{k: own[k] for k in counters}}
+        filled = collections.OrderedDict(sd)
+        filled.update((k, own[k]) for k in counters)
+        filled._metadata = getattr(sd, "_metadata", None)  # type: ignore[attr-defined]
+        sd = filled
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
     wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
              for k in own if k in sd and sd[k].shape != own[k].shape]
-    modules = {k.rsplit(".", 1)[0] for k in head}
-    if unexpected and not wrong and all(k in head for k in missing) and all(
-            any(k.startswith(m + ".") for m in modules) for k in unexpected):
-        raise ConfigError(
-            f"{where}: its classifier head ({', '.join(unexpected[:4])}) is not "
-            f"torchvision's {arch} head ({', '.join(head)}), and a head of another shape "
-            "(an nn.Sequential, say) cannot be rebuilt from its weights: save the model "
-            "with torchvision's head, or without a head to serve the backbone's features")
+    why = None if wrong else _head_mismatch(sd, missing, unexpected, head, arch)
+    if why:
+        raise ConfigError(f"{where}: {why}")
     if missing or unexpected or wrong:
         parts = []
         if missing:

@@ -22,9 +22,11 @@ from .architectures import (
     build,
     check_timm,
     classifier_keys,
+    default_classes,
     is_timm,
     state_dict_keys,
     timm_transforms,
+    without_aux_heads,
 )
 from .capture.reduce import DTYPES
 from .capture.table import LayerInfo, LayerTables, layer_names
@@ -169,16 +171,18 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
                         exc, extra=LOUD)
             weights = "random"
         else:
-            model = build(arch)
-            load_into(model, sd, f"cached ImageNet weights for {arch}", arch)
+            model = build(arch, imagenet=True)
+            load_into(model, without_aux_heads(arch, sd), f"cached ImageNet weights for {arch}",
+                      arch)
             return model, WeightsInfo("imagenet", name, state_dict_digest(model.state_dict()),
                                       True, verified)
     if weights == "random":
         model = build(arch)
         return model, WeightsInfo("random", f"seed={seed}",
-                                  state_dict_digest(model.state_dict()), False)
+                                  state_dict_digest(model.state_dict()), False,
+                                  num_classes=default_classes(model))
     path = Path(weights).expanduser()
-    sd = read_state_dict(path, arch, state_dict_keys(arch))
+    sd = without_aux_heads(arch, read_state_dict(path, arch, state_dict_keys(arch)))
     head = classifier_keys(arch)
     classes = head_classes(sd, list(head))
     # a fine-tuned head: as many outputs as the checkpoint's; none in the file: no head

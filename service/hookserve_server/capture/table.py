@@ -94,8 +94,10 @@ class LayerTables:
         #: layer name -> why a module the forward pass calls is not in the tables:
         #: its output (or, for "<name>:input", its input) is not one tensor
         self._not_tensors: dict[str, str] = {}
-        self._paths = {path for path, _ in self._meta.named_modules() if path}
-        self._called: set[str] = set()   # module paths a forward pass called
+        #: module path -> its type's name
+        self._types = {path: type(m).__name__ for path, m in self._meta.named_modules() if path}
+        #: module paths a forward pass called, in the order their first call ended
+        self._called: dict[str, None] = {}
 
     def at(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (cached, LRU)."""
@@ -113,13 +115,18 @@ class LayerTables:
         base, _ = split_input_name(name)
         with self._lock:
             why, called = self._not_tensors.get(name), base in self._called
+            inside = [p for p in self._called if p.startswith(base + ".")]
         if why is not None:
             return why
-        if base in self._paths and not called:
-            return (f"{base} is a module of {self.model_name} that its forward pass never "
-                    "calls (its parent uses its weights directly), so nothing passes "
-                    "through it to capture")
-        return None
+        if base not in self._types or called:
+            return None
+        if inside:
+            first = min(inside, key=lambda p: p.count("."))   # the outermost, first run
+            return (f"{base} ({self._types[base]}) is a container the forward pass never "
+                    f"calls itself: it calls the modules inside it, such as {first}")
+        return (f"{base} is a module of {self.model_name} that its forward pass never "
+                "calls (its parent uses its weights directly), so nothing passes "
+                "through it to capture")
 
     def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
         found: list[tuple[str, str, str, torch.Tensor]] = []
@@ -185,7 +192,7 @@ class LayerTables:
                     "input is a layer" + (f"; its input is the output of the layer that "
                                           f"ran before it, {ran}" if ran else ""))
         self._not_tensors.update(reasons)   # (`at` holds the lock)
-        self._called.update(calls)
+        self._called.update(dict.fromkeys(calls))
         return table
 
 
