@@ -367,6 +367,11 @@ def test_bucket_and_warm_parsing(make_server):
     with pytest.raises(ConfigError, match="no layer layer9"):
         make_server("--model", "resnet18", "--weights", "random", "--compile", "auto",
                     "--warm", "resnet18=layer9")
+    layer = "features.denseblock1.denselayer1"
+    with pytest.raises(ConfigError, match=f"{layer}:input cannot be captured: {layer} "
+                       r"\(_DenseLayer\) takes a list of 1 tensor as its input"):
+        make_server("--model", "densenet121", "--weights", "random", "--compile", "auto",
+                    "--warm", f"densenet121={layer}:input")
 
 
 def test_warm_compiles_at_start_up_and_metrics_count(make_server, images):

@@ -201,7 +201,7 @@ def _what(value) -> str:
     if isinstance(value, (tuple, list)):
         kind = type(value).__name__
         if value and all(isinstance(v, torch.Tensor) for v in value):
-            return f"a {kind} of {len(value)} tensors"
+            return f"a {kind} of {len(value)} tensor{'s' if len(value) > 1 else ''}"
         items = ["tensor" if isinstance(v, torch.Tensor) else
                  "None" if v is None else type(v).__name__ for v in value[:4]]
         return f"a {kind} ({', '.join(items)}{', ...' if len(value) > 4 else ''})"

@@ -194,10 +194,12 @@ class CompiledGraphs:
         for w in self.settings.warm if self.enabled else ():
             m = models.get(w.model)
             unknown = [n for n in w.layers if m is not None and n not in m.layer_index]
+            why = m.tables.why_not(unknown[0]) if unknown else None
             if m is None or unknown:
                 what = f"model {w.model}" if m is None else f"layer {unknown[0]}"
-                raise ConfigError(f"--warm {w.model}={'+'.join(w.layers)}: no {what} here "
-                                  "(see ListModels and DescribeModel)")
+                raise ConfigError(f"--warm {w.model}={'+'.join(w.layers)}: " + (
+                    f"{unknown[0]} cannot be captured: {why}" if why else
+                    f"no {what} here (see ListModels and DescribeModel)"))
             points = tuple(sorted({point_of(m, LayerSpec(name)) for name in w.layers},
                                   key=_order))
             size = w.size or m.defaults.crop
