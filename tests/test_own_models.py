@@ -221,14 +221,30 @@ def test_two_copies_of_the_model_are_refused_by_name(tmp_path):
         build_model("resnet18", str(path))
 
 
-def test_a_whole_classifier_left_out_says_which_layer_may_be(tmp_path):
-    m = torchvision.models.mobilenet_v3_small()
-    m.classifier = torch.nn.Identity()
-    path = tmp_path / "mv3.pt"
-    torch.save(m.state_dict(), path)
-    with pytest.raises(ConfigError, match=r"holds none of mobilenet_v3_small's classifier "
-                       r"\(classifier.0.weight, .*only the head's last layer \(classifier.3\)"):
-        build_model("mobilenet_v3_small", str(path))
+@pytest.mark.parametrize("arch,features", [("mobilenet_v3_small", (576,)),
+                                            ("vgg11", (25088,)),
+                                            ("convnext_tiny", (768, 1, 1))])
+def test_a_whole_classifier_left_out_serves_the_backbone(make_server, tmp_path, arch,
+                                                        features):
+    """`model.classifier = nn.Identity()` (a classifier with hidden layers, not just the
+    head's last layer): the classifier is served as nn.Identity, its name giving the
+    features it would have read."""
+    torch.manual_seed(9)
+    ref = torchvision.models.get_model(arch, weights=None).eval()
+    ref.classifier = torch.nn.Identity()
+    path = tmp_path / f"{arch}.pt"
+    torch.save(ref.state_dict(), path)
+    s = make_server("--model", arch, "--weights", str(path))
+    img = rand_image(SIDE, SIDE, seed=4)
+    with s.client(timeout=120) as c:
+        (m,) = c.list_models()
+        layers = c.describe(arch, SIDE).layers
+        got = c.extract(img, ["classifier"], model=arch, resize=SIDE, crop=SIDE)
+    assert m.num_classes == 0 and (layers[-1].name, layers[-1].type) == ("classifier",
+                                                                         "Identity")
+    want = hooked(ref, img, ["classifier"], m.mean, m.std)
+    assert got["classifier"].shape == features
+    np.testing.assert_allclose(got["classifier"], want["classifier"], rtol=1e-4, atol=1e-4)
 
 
 def test_a_head_of_another_shape_is_named_in_one_line(tmp_path):

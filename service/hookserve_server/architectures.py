@@ -55,11 +55,13 @@ AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
 TRANSFORM_INPUT = ("googlenet", "inception_v3")
 
 
-def build(arch: str, num_classes: int | None = None, imagenet: bool = False) -> nn.Module:
+def build(arch: str, num_classes: int | None = None, imagenet: bool = False,
+          left_out: tuple[str, ...] = ()) -> nn.Module:
     """`arch` with random weights (on the current default device), with `num_classes`
-    outputs (None: the architecture's default; NO_HEAD: none, the head's layers are
-    nn.Identity), as torchvision builds it for its ImageNet weights when `imagenet`.
-    ``timm:<name>`` builds a timm model, never downloading weights."""
+    outputs (None: the architecture's default; NO_HEAD: none, the modules `left_out`,
+    by default the head's layers, are nn.Identity), as torchvision builds it for its
+    ImageNet weights when `imagenet`. ``timm:<name>`` builds a timm model, never
+    downloading weights."""
     if is_timm(arch):   # (timm's num_classes=0 is its own model without a head)
         kwargs = {} if num_classes is None else {"num_classes": num_classes}
         return _timm().create_model(arch[len(TIMM_PREFIX):], pretrained=False, **kwargs)
@@ -71,9 +73,14 @@ def build(arch: str, num_classes: int | None = None, imagenet: bool = False) -> 
         kwargs["transform_input"] = True
     model = torchvision.models.get_model(arch, weights=None, **kwargs)
     if num_classes == NO_HEAD:
-        for path in {k.rsplit(".", 1)[0] for k in head_keys(model, default_classes(model))}:
+        for path in left_out or head_modules(head_keys(model, default_classes(model))):
             model.set_submodule(path, nn.Identity())
     return model
+
+
+def head_modules(keys) -> tuple[str, ...]:
+    """The module paths of a head's state_dict keys."""
+    return tuple(sorted({k.rsplit(".", 1)[0] for k in keys}))
 
 
 def default_classes(model: nn.Module) -> int:
@@ -96,14 +103,15 @@ def timm_transforms(arch: str) -> tuple[int, tuple[int, int], tuple, tuple]:
             tuple(float(x) for x in cfg["mean"]), tuple(float(x) for x in cfg["std"]))
 
 
-def build_meta(arch: str, num_classes: int | None = None) -> nn.Module:
+def build_meta(arch: str, num_classes: int | None = None, left_out: tuple[str, ...] = ()
+               ) -> nn.Module:
     """`arch` on the meta device (shapes, no memory). A builder that computes with
     tensors (regnet's widths) cannot run there: it is built on the CPU and moved."""
     try:
         with torch.device("meta"):
-            return build(arch, num_classes)
+            return build(arch, num_classes, left_out=left_out)
     except (NotImplementedError, RuntimeError):
-        return build(arch, num_classes).to("meta")
+        return build(arch, num_classes, left_out=left_out).to("meta")
 
 
 @functools.cache

@@ -177,10 +177,10 @@ def head_classes(sd: dict[str, torch.Tensor], keys: list[str]) -> int | None:
     return int(sd[weights[-1]].shape[0]) if weights else None
 
 
-def _head_mismatch(sd, missing: list[str], unexpected: list[str], head: Collection[str],
+def _head_mismatch(missing: list[str], unexpected: list[str], head: Collection[str],
                    arch: str) -> str | None:
-    """What is wrong when only the classifier differs from the architecture's: a head of
-    another shape, or a whole classifier left out where only its last layer may be."""
+    """Whether only the classifier differs from the architecture's: a head of another
+    shape, said in one line; else None."""
     modules = {k.rsplit(".", 1)[0] for k in head}
     if unexpected and all(k in head for k in missing) and all(
             any(k.startswith(m + ".") for m in modules) for k in unexpected):
@@ -188,15 +188,22 @@ def _head_mismatch(sd, missing: list[str], unexpected: list[str], head: Collecti
                 f"{arch} head ({', '.join(head)}), and a head of another shape (an "
                 "nn.Sequential, say) cannot be rebuilt from its weights: save the model with "
                 "torchvision's head, or without a head to serve the backbone's features")
-    parents = {m.rsplit(".", 1)[0] for m in modules if "." in m}
-    if missing and not unexpected and len(parents) == 1 and not any(k in sd for k in head):
-        (parent,) = parents
-        if all(k.startswith(parent + ".") for k in missing):
-            return (f"it holds none of {arch}'s {parent} ({', '.join(missing[:3])} missing): "
-                    "a backbone serves without its head when only the head's last layer "
-                    f"({', '.join(sorted(modules))}) is left out; set that layer, not the "
-                    f"whole {parent}, to nn.Identity before saving")
     return None
+
+
+def classifier_left_out(own: dict, sd: dict, head: tuple[str, ...]) -> tuple[str, ...]:
+    """(the classifier,) when a file without a head holds none of the container its
+    head sits in (``model.classifier = nn.Identity()`` on a mobilenet or a vgg, whose
+    classifier has hidden layers too), else (): `own` is the model's state_dict without
+    its head's layers, `head` their module paths."""
+    parents = {m.rsplit(".", 1)[0] for m in head if "." in m}
+    if len(parents) != 1:
+        return ()
+    inside = f"{next(iter(parents))}."
+    mine = [k for k in own if k.startswith(inside)]
+    if mine and not any(k.startswith(inside) for k in sd):
+        return (next(iter(parents)),)
+    return ()
 
 
 def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: str,
@@ -215,7 +222,7 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
     unexpected = [k for k in sd if k not in own]
     wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
              for k in own if k in sd and sd[k].shape != own[k].shape]
-    why = None if wrong else _head_mismatch(sd, missing, unexpected, head, arch)
+    why = None if wrong else _head_mismatch(missing, unexpected, head, arch)
     if why:
         raise ConfigError(f"{where}: {why}")
     if missing or unexpected or wrong:

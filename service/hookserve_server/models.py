@@ -23,6 +23,7 @@ from .architectures import (
     check_timm,
     classifier_keys,
     default_classes,
+    head_modules,
     is_timm,
     state_dict_keys,
     timm_transforms,
@@ -30,7 +31,13 @@ from .architectures import (
 )
 from .capture.reduce import DTYPES
 from .capture.table import LayerInfo, LayerTables, layer_names
-from .checkpoints import SAVE_HINT, head_classes, load_into, read_state_dict  # noqa: F401
+from .checkpoints import (  # noqa: F401
+    SAVE_HINT,
+    classifier_left_out,
+    head_classes,
+    load_into,
+    read_state_dict,
+)
 from .config import ARCHITECTURES, WEIGHT_CHOICES  # noqa: F401  (models.WEIGHT_CHOICES)
 from .errors import ConfigError
 from .layouts import default_cam_layer
@@ -53,6 +60,8 @@ class WeightsInfo:
     verified: bool = False
     #: Outputs of the classifier head the weights carry (NO_HEAD: they carry none).
     num_classes: int = DEFAULT_CLASSES
+    #: With NO_HEAD, the modules the weights left out, served as nn.Identity
+    left_out: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,15 +196,19 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
     classes = head_classes(sd, list(head))
     # a fine-tuned head: as many outputs as the checkpoint's; none in the file: no head
     model = build(arch, NO_HEAD if classes is None else classes)
+    left_out: tuple[str, ...] = ()
+    if classes is None:   # the head's last layer left out, or the classifier holding it
+        left_out = classifier_left_out(model.state_dict(), sd, head_modules(head)) or \
+            head_modules(head)
+        model = build(arch, NO_HEAD, left_out=left_out)
     load_into(model, sd, f"weights file {path}", arch, head)
     if classes is None:
         classes = NO_HEAD
         log.info("%s: weights file %s holds no classifier head (%s): serving the backbone, "
                  "with %s giving the features the head would read; Attribute needs a head",
-                 arch, path, ", ".join(head),
-                 " and ".join(sorted({k.rsplit(".", 1)[0] for k in head})))
+                 arch, path, ", ".join(head), " and ".join(left_out))
     return model, WeightsInfo("file", path.name, state_dict_digest(model.state_dict()), True,
-                              num_classes=classes)
+                              num_classes=classes, left_out=left_out)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -253,7 +266,8 @@ class ServedModel:
         self.modules: dict[str, nn.Module] = dict(module.named_modules())
         self.mean = torch.tensor(self.defaults.mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(self.defaults.std, device=device).view(1, 3, 1, 1)
-        self.tables = LayerTables(name, arch, self.torch_dtype, weights.num_classes)
+        self.tables = LayerTables(name, arch, self.torch_dtype, weights.num_classes,
+                                  weights.left_out)
         #: layer name -> (module path, call index)
         self.layer_index = layer_names(self.layer_table(*self.defaults.crop))
         #: The layer the CAM methods explain when none is named.

@@ -83,10 +83,10 @@ class LayerTables:
     """Layer tables of one architecture, built on a meta-device copy of it."""
 
     def __init__(self, model_name: str, arch: str, dtype: torch.dtype,
-                 num_classes: int | None = None) -> None:
+                 num_classes: int | None = None, left_out: tuple[str, ...] = ()) -> None:
         self.model_name = model_name
         self.dtype = dtype
-        self._meta = build_meta(arch, num_classes)
+        self._meta = build_meta(arch, num_classes, left_out)
         self._meta.eval().requires_grad_(False).to(dtype=dtype)
         self._lock = threading.Lock()
         #: (height, width) -> its table, the CACHED_SIZES most recently used
