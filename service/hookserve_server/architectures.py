@@ -15,7 +15,7 @@ import torch
 import torchvision
 from torch import nn
 
-from .checkpoints import head_keys
+from .checkpoints import head_keys, head_modules
 from .config import TIMM_PREFIX
 from .errors import ConfigError
 
@@ -76,11 +76,6 @@ def build(arch: str, num_classes: int | None = None, imagenet: bool = False,
         for path in left_out or head_modules(head_keys(model, default_classes(model))):
             model.set_submodule(path, nn.Identity())
     return model
-
-
-def head_modules(keys) -> tuple[str, ...]:
-    """The module paths of a head's state_dict keys."""
-    return tuple(sorted({k.rsplit(".", 1)[0] for k in keys}))
 
 
 def default_classes(model: nn.Module) -> int:

@@ -177,11 +177,16 @@ def head_classes(sd: dict[str, torch.Tensor], keys: list[str]) -> int | None:
     return int(sd[weights[-1]].shape[0]) if weights else None
 
 
+def head_modules(keys) -> tuple[str, ...]:
+    """The module paths of a head's state_dict keys."""
+    return tuple(sorted({k.rsplit(".", 1)[0] for k in keys}))
+
+
 def _head_mismatch(missing: list[str], unexpected: list[str], head: Collection[str],
                    arch: str) -> str | None:
     """Whether only the classifier differs from the architecture's: a head of another
     shape, said in one line; else None."""
-    modules = {k.rsplit(".", 1)[0] for k in head}
+    modules = head_modules(head)
     if unexpected and all(k in head for k in missing) and all(
             any(k.startswith(m + ".") for m in modules) for k in unexpected):
         return (f"its classifier head ({', '.join(unexpected[:4])}) is not torchvision's "
@@ -191,19 +196,32 @@ def _head_mismatch(missing: list[str], unexpected: list[str], head: Collection[s
     return None
 
 
-def classifier_left_out(own: dict, sd: dict, head: tuple[str, ...]) -> tuple[str, ...]:
+def classifier_left_out(own: Collection[str], sd: dict, head: tuple[str, ...]
+                        ) -> tuple[str, ...]:
     """(the classifier,) when a file without a head holds none of the container its
     head sits in (``model.classifier = nn.Identity()`` on a mobilenet or a vgg, whose
-    classifier has hidden layers too), else (): `own` is the model's state_dict without
-    its head's layers, `head` their module paths."""
+    classifier has hidden layers too), else (): `own` is the architecture's state_dict
+    keys without its head's, `head` the head's module paths."""
     parents = {m.rsplit(".", 1)[0] for m in head if "." in m}
     if len(parents) != 1:
         return ()
-    inside = f"{next(iter(parents))}."
-    mine = [k for k in own if k.startswith(inside)]
-    if mine and not any(k.startswith(inside) for k in sd):
-        return (next(iter(parents)),)
+    (parent,) = parents
+    inside = parent + "."
+    if any(k.startswith(inside) for k in own) and not any(k.startswith(inside) for k in sd):
+        return (parent,)
     return ()
+
+
+def _completed(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
+               ) -> collections.OrderedDict:
+    """`sd` with what a file may lack taken from the model's own state_dict `own`:
+    batch norm's step counters (older torch saved none; evaluation never reads them)
+    and the module versions (lost when keys were renamed; safetensors keeps none)."""
+    out = collections.OrderedDict(sd)
+    out.update((k, own[k]) for k in own if k.endswith(BN_COUNTER) and k not in sd)
+    out._metadata = (getattr(sd, "_metadata", None)  # type: ignore[attr-defined]
+                     or getattr(own, "_metadata", None))
+    return out
 
 
 def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: str,
@@ -211,13 +229,7 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
     """Load `sd` strictly, or raise one line naming what does not match (`head`: the
     architecture's head keys, to say so when only the head differs)."""
     own = model.state_dict()
-    # batch norm's step counter (older torch saved none; eval never reads it)
-    counters = [k for k in own if k.endswith(BN_COUNTER) and k not in sd]
-    if counters:
-        filled = collections.OrderedDict(sd)
-        filled.update((k, own[k]) for k in counters)
-        filled._metadata = getattr(sd, "_metadata", None)  # type: ignore[attr-defined]
-        sd = filled
+    sd = _completed(sd, own)
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
     wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
@@ -237,9 +249,6 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
             f"{where} does not match architecture {arch}: " + "; ".join(parts)
             + ". Is it the state_dict of a torchvision " + arch + "?"
         )
-    if getattr(sd, "_metadata", None) is None:   # lost when keys were renamed, or safetensors
-        sd = collections.OrderedDict(sd)
-        sd._metadata = getattr(own, "_metadata", None)  # type: ignore[attr-defined]
     try:
         model.load_state_dict(sd, strict=True)
     except Exception as exc:   # a module's own checks (versions, say)

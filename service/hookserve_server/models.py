@@ -23,7 +23,6 @@ from .architectures import (
     check_timm,
     classifier_keys,
     default_classes,
-    head_modules,
     is_timm,
     state_dict_keys,
     timm_transforms,
@@ -35,6 +34,7 @@ from .checkpoints import (  # noqa: F401
     SAVE_HINT,
     classifier_left_out,
     head_classes,
+    head_modules,
     load_into,
     read_state_dict,
 )
@@ -194,13 +194,12 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
     sd = without_aux_heads(arch, read_state_dict(path, arch, state_dict_keys(arch)))
     head = classifier_keys(arch)
     classes = head_classes(sd, list(head))
-    # a fine-tuned head: as many outputs as the checkpoint's; none in the file: no head
-    model = build(arch, NO_HEAD if classes is None else classes)
     left_out: tuple[str, ...] = ()
     if classes is None:   # the head's last layer left out, or the classifier holding it
-        left_out = classifier_left_out(model.state_dict(), sd, head_modules(head)) or \
-            head_modules(head)
-        model = build(arch, NO_HEAD, left_out=left_out)
+        left_out = classifier_left_out(state_dict_keys(arch) - set(head), sd,
+                                       head_modules(head)) or head_modules(head)
+    # a fine-tuned head: as many outputs as the checkpoint's; none in the file: no head
+    model = build(arch, NO_HEAD if classes is None else classes, left_out=left_out)
     load_into(model, sd, f"weights file {path}", arch, head)
     if classes is None:
         classes = NO_HEAD
