@@ -21,6 +21,7 @@ from hookserve_server.errors import ConfigError
 from hookserve_server.models import build_model, state_dict_digest
 
 from conftest import RunningServer, rand_image
+from helpers import hs
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -161,6 +162,12 @@ def test_a_backbone_saved_without_its_head_serves_its_features(make_server, tmp_
                            "classifier head .* Attribute needs a model with a head"):
             c.attribute(img, model="resnet18", **geometry)
         assert c.extract(img, ["fc"], model="resnet18", **geometry)["fc"].shape == (512,)
+    described = hs("describe", "resnet18", "--size", str(SIDE), "--server", s.address)
+    listed = hs("models", "--server", s.address)
+    assert described.returncode == listed.returncode == 0, described.stderr + listed.stderr
+    assert "no classifier head: features only" in described.stdout
+    assert "classes" not in described.stdout.split("input ")[0]
+    assert "resnet18 (default): resnet18 on cpu, float32, no head, weights" in listed.stdout
     (tmp_path / "names.txt").write_text("cat\ndog\n")
     with pytest.raises(ConfigError, match="hold no classifier head, so it has no classes"):
         RunningServer(["--model", "resnet18", "--weights", str(path), "--labels",

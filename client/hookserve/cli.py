@@ -18,6 +18,10 @@ from .cli_args import (
 )
 from .tables import DTYPES, REDUCTIONS
 
+#: What `describe` prints for a model without a classifier head (num_classes 0).
+NO_HEAD = ("no classifier head: features only (Attribute and class names need a model "
+           "with one)")
+
 #: Exit status after stdout was closed early (`hookserve describe | head`): 128 +
 #: SIGPIPE, what a shell reports for a program that the closed pipe ended.
 EXIT_PIPE_CLOSED = 141
@@ -31,8 +35,7 @@ def _describe(args) -> int:
           f"{weights_text(m)}")
     print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}, "
           f"mean {_floats(m.mean)}, std {_floats(m.std)}")
-    if m.num_classes:
-        print(classes_text(m))
+    print(classes_text(m) if m.num_classes else NO_HEAD)
     if m.default_cam_layer:
         print(f"default CAM layer: {m.default_cam_layer}")
     print(f"input {d.input_size[0]}x{d.input_size[1]}: {len(d.layers)} layers\n")
@@ -59,7 +62,7 @@ def _models(args) -> int:
     with make_client(args) as c:
         for i, m in enumerate(c.list_models()):
             flag = " (default)" if i == 0 else ""
-            classes = f"{classes_text(m)}, " if m.num_classes else ""
+            classes = f"{classes_text(m)}, " if m.num_classes else "no head, "
             print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, {classes}"
                   f"weights {weights_text(m)}")
     return 0
