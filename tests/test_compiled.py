@@ -18,8 +18,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from hookserve_server.capture.compiled import build_graph
 from hookserve_server.capture.forward import capture
-from hookserve_server.capture.plan import CapturePlan
+from hookserve_server.capture.plan import CapturePlan, CapturePoint
 from hookserve_server.engine.compiled import bucket
 from hookserve_server.engine.config import CompileSettings, parse_warm
 from hookserve_server.errors import ConfigError
@@ -434,3 +435,41 @@ def test_a_compile_leaves_no_thread_behind(make_server, images):
     for t in ran_on:
         t.join(60)   # the result is recorded just before its thread returns
         assert not t.is_alive(), t.name
+
+
+def test_a_trace_leaves_other_threads_module_calls_alone(server, images):
+    """torch.fx replaces nn.Module.__call__ for the whole process while it traces. With
+    a trace held open on one thread (its module's forward waits), what other threads
+    run meanwhile is served as usual: a new input size's layer table (DescribeModel: a
+    meta dry run on a gRPC thread) and an Extract's forward pass on the model's thread.
+    The trace still records its own module calls."""
+    inside, release = threading.Event(), threading.Event()
+
+    class Paused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            inside.set()
+            release.wait(120)   # the trace is on while this waits
+            return self.b(x)
+
+    built: list = []
+    tracing = threading.Thread(
+        target=lambda: built.append(build_graph(Paused(), (CapturePoint("a", 0),))))
+    tracing.start()
+    try:
+        assert inside.wait(120)
+        with server.client(timeout=120) as c:
+            described = c.describe("resnet18", "72x88")   # a size no other test asks for
+            got = c.extract(images[0], ["layer1", "fc"], model="resnet18", native=True)
+    finally:
+        release.set()
+        tracing.join(120)
+    assert described.input_size == (72, 88)
+    assert [li.shape for li in described.layers if li.name == "layer1"] == [(64, 18, 22)]
+    assert got["layer1"].shape == (64, 16, 16) and got["fc"].shape == (1000,)
+    (gm,) = built
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["a"]

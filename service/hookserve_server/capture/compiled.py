@@ -11,23 +11,48 @@ one graph serves every reduction, dtype and L2 choice of the same layers.
 
 A point set where one captured module contains another cannot keep both whole; such a
 set is not built (`build_graph` returns None) and is served by the eager hooks.
+
+While torch.fx traces, it replaces ``nn.Module.__call__`` and ``__getattr__`` for the
+whole process. Left as they are, a module called on any other thread meanwhile (a
+layer table's meta dry run for DescribeModel or a new input size, another device's
+forward pass) would go to this tracer and fail with "module is not installed as a
+submodule". So the tracer records only its own thread's calls, and the others run as
+if no trace were on; and traces run one at a time in the process (`_TRACING`), since
+two nested replacements, undone out of order, would leave one in place.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from .plan import CapturePoint, Kind
 
+#: Held while a graph is traced: one trace at a time in the process.
+_TRACING = threading.Lock()
+
 
 class _Tracer(fx.Tracer):
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
         self.leaves = leaves
+        self._thread = threading.get_ident()
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs) -> Any:
+        if threading.get_ident() != self._thread:   # another thread's call: run it
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
 def _nested(paths: set[str]) -> bool:
@@ -43,7 +68,8 @@ def build_graph(module: nn.Module, points: tuple[CapturePoint, ...]
     paths = {p.module for p in points}
     if _nested(paths):
         return None
-    graph = _Tracer(paths).trace(module)
+    with _TRACING:
+        graph = _Tracer(paths).trace(module)
     calls: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_module" and node.target in paths:

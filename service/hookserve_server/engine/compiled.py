@@ -238,10 +238,9 @@ class CompiledGraphs:
         return seen >= self.settings.after
 
     def _submit(self, model: ServedModel, key) -> None:
-        """Trace `key`'s graph here and queue its compile. torch.fx patches every
-        module's call while it traces, which a compile running at the same time would
-        see, so tracing waits for no compile: while one runs, the key stays due and is
-        traced at a later batch."""
+        """Trace `key`'s graph here and queue its compile. Tracing and compiling take
+        turns (`_busy`): a trace never waits for a compile to end, so while one runs,
+        the key stays due and is traced at a later batch."""
         if not self._busy.acquire(blocking=False):
             return
         try:
