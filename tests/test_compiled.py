@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hookserve_server.capture.compiled import build_graph
+from hookserve_server.capture.compiled import TRACING, build_graph
 from hookserve_server.capture.forward import capture
 from hookserve_server.capture.plan import CapturePlan, CapturePoint
 from hookserve_server.engine.compiled import bucket
@@ -473,3 +473,23 @@ def test_a_trace_leaves_other_threads_module_calls_alone(server, images):
     assert got["layer1"].shape == (64, 16, 16) and got["fc"].shape == (1000,)
     (gm,) = built
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["a"]
+
+
+def test_traces_and_compiles_take_turns_across_devices(make_server, images):
+    """A trace or compile elsewhere in the process (another device's; here the test
+    holds the lock they take) never makes the model's thread wait: the due layer set is
+    answered by eager meanwhile, and traced and compiled once the lock is free."""
+    ran = []
+
+    def recording(gm, example_inputs):   # a torch.compile backend: no code generation
+        ran.append(gm)
+        return gm.forward
+
+    s = make_server("--model", "resnet18", "--weights", "random")
+    s.engine.compile_graphs(CompileSettings("auto", after=1, backend=recording))
+    with TRACING, s.client(timeout=60) as c:
+        for _ in range(3):
+            assert c.extract(images[0], ["layer1"], model="resnet18", native=True)
+        assert (stats(s).compiles, stats(s).eager, stats(s).pending, ran) == (0, 3, 0, [])
+    compile_now(s, "resnet18", ["layer1"], images[:1], native=True)
+    assert stats(s).compiles == 1 and len(ran) == 1

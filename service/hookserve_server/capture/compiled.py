@@ -17,8 +17,10 @@ whole process. Left as they are, a module called on any other thread meanwhile (
 layer table's meta dry run for DescribeModel or a new input size, another device's
 forward pass) would go to this tracer and fail with "module is not installed as a
 submodule". So the tracer records only its own thread's calls, and the others run as
-if no trace were on; and traces run one at a time in the process (`_TRACING`), since
-two nested replacements, undone out of order, would leave one in place.
+if no trace were on. And a trace holds `TRACING`, which the engine also holds while it
+compiles: traces run one at a time in the process (two nested replacements, undone out
+of order, would leave one in place), and never beside a compile (torch.compile would
+trace into the replaced call and break its graph there).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from torch import fx, nn
 
 from .plan import CapturePoint, Kind
 
-#: Held while a graph is traced: one trace at a time in the process.
-_TRACING = threading.Lock()
+#: Held while a graph is traced or compiled, by one thread of the process at a time.
+TRACING = threading.RLock()
 
 
 class _Tracer(fx.Tracer):
@@ -68,7 +70,7 @@ def build_graph(module: nn.Module, points: tuple[CapturePoint, ...]
     paths = {p.module for p in points}
     if _nested(paths):
         return None
-    with _TRACING:
+    with TRACING:
         graph = _Tracer(paths).trace(module)
     calls: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:

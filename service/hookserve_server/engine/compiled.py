@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..capture.compiled import build_graph, graph_bytes, to_bucket
+from ..capture.compiled import TRACING, build_graph, graph_bytes, to_bucket
 from ..capture.forward import capture
 from ..capture.plan import CapturePlan, CapturePoint, point_of
 from ..capture.reduce import reduce
@@ -239,12 +239,18 @@ class CompiledGraphs:
 
     def _submit(self, model: ServedModel, key) -> None:
         """Trace `key`'s graph here and queue its compile. Tracing and compiling take
-        turns (`_busy`): a trace never waits for a compile to end, so while one runs,
-        the key stays due and is traced at a later batch."""
+        turns, this device's (`_busy`) and every other's (`TRACING`): a trace never
+        waits for a compile to end, so while one runs, the key stays due and is traced
+        at a later batch."""
         if not self._busy.acquire(blocking=False):
             return
         try:
-            gm = self._trace(model, key)
+            if not TRACING.acquire(blocking=False):
+                return
+            try:
+                gm = self._trace(model, key)
+            finally:
+                TRACING.release()
         finally:
             self._busy.release()
         self._enqueue(model, key, gm)
@@ -333,7 +339,7 @@ class CompiledGraphs:
                 # unfrozen in torch 2.14, this thread's setting does not. CUDA graphs
                 # compile unfrozen, as they were measured (docs/performance.md).
                 inductor.freezing = model.device.type == "cpu"
-            with self._busy:
+            with self._busy, TRACING:
                 done.append((*self._compile(model, key, gm), None))
         except BaseException as exc:   # reported by the compile loop, with its cause
             done.append((None, 0, exc))
