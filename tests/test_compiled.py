@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hookserve_server.capture.compiled import TRACING, build_graph
+from hookserve_server.capture.compiled import build_graph
 from hookserve_server.capture.forward import capture
 from hookserve_server.capture.plan import CapturePlan, CapturePoint
+from hookserve_server.capture.tracing import TRACING
 from hookserve_server.engine.compiled import bucket
 from hookserve_server.engine.config import CompileSettings, parse_warm
 from hookserve_server.errors import ConfigError

@@ -12,49 +12,25 @@ one graph serves every reduction, dtype and L2 choice of the same layers.
 A point set where one captured module contains another cannot keep both whole; such a
 set is not built (`build_graph` returns None) and is served by the eager hooks.
 
-While torch.fx traces, it replaces ``nn.Module.__call__`` and ``__getattr__`` for the
-whole process. Left as they are, a module called on any other thread meanwhile (a
-layer table's meta dry run for DescribeModel or a new input size, another device's
-forward pass) would go to this tracer and fail with "module is not installed as a
-submodule". So the tracer records only its own thread's calls, and the others run as
-if no trace were on. And a trace holds `TRACING`, which the engine also holds while it
-compiles: traces run one at a time in the process (two nested replacements, undone out
-of order, would leave one in place), and never beside a compile (torch.compile would
-trace into the replaced call and break its graph there).
+The trace is torch.fx's, made safe beside the serving threads (`capture/tracing.py`).
 """
 
 from __future__ import annotations
-
-import threading
-from typing import Any
 
 import torch
 from torch import fx, nn
 
 from .plan import CapturePoint, Kind
-
-#: Held while a graph is traced or compiled, by one thread of the process at a time.
-TRACING = threading.RLock()
+from .tracing import TRACING, OwnThread
 
 
-class _Tracer(fx.Tracer):
+class _Tracer(OwnThread):
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
         self.leaves = leaves
-        self._thread = threading.get_ident()
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
-
-    def call_module(self, m: nn.Module, forward, args, kwargs) -> Any:
-        if threading.get_ident() != self._thread:   # another thread's call: run it
-            return forward(*args, **kwargs)
-        return super().call_module(m, forward, args, kwargs)
-
-    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
-        if threading.get_ident() != self._thread:
-            return attr_val
-        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
 def _nested(paths: set[str]) -> bool:

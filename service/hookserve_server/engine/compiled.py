@@ -49,10 +49,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..capture.compiled import TRACING, build_graph, graph_bytes, to_bucket
+from ..capture.compiled import build_graph, graph_bytes, to_bucket
 from ..capture.forward import capture
 from ..capture.plan import CapturePlan, CapturePoint, point_of
 from ..capture.reduce import reduce
+from ..capture.tracing import TRACING
 from ..errors import ConfigError
 from ..models import ServedModel
 from ..precision import autocast
