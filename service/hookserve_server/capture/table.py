@@ -21,7 +21,9 @@ from ..errors import InvalidArgument
 from ..layouts import layout_of
 from ..recent import Recent
 from ..spec import DType, Layout
+from .node_names import FxNode, fx_nodes
 from .reduce import DTYPE_OF_TORCH
+from .tracing import TRACING
 
 #: Input sizes whose table is kept per model.
 CACHED_SIZES = 512
@@ -98,6 +100,9 @@ class LayerTables:
         self._types = {path: type(m).__name__ for path, m in self._meta.named_modules() if path}
         #: module paths a forward pass called, in the order their first call ended
         self._called: dict[str, None] = {}
+        #: torchvision's feature-extraction node names that are no layer (traced on
+        #: the first name asked for that is in no table)
+        self._fx: dict[str, FxNode] | None = None
 
     def at(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (cached, LRU)."""
@@ -110,14 +115,18 @@ class LayerTables:
             return table
 
     def why_not(self, name: str) -> str | None:
-        """Why `name`, a module path (``:input`` or a call suffix allowed) that is in
-        no table, cannot be captured; None when it names no module at all."""
+        """Why `name`, a module path (``:input`` or a call suffix allowed) or a node of
+        torchvision's feature-extraction graph that is in no table, cannot be captured;
+        None when it names neither."""
         base, _ = split_input_name(name)
         with self._lock:
             why, called = self._not_tensors.get(name), base in self._called
             inside = [p for p in self._called if p.startswith(base + ".")]
+        node = None if why or base in self._types else self._fx_nodes().get(name)
         if why is not None:
             return why
+        if node is not None:
+            return node.reason(name, self.model_name)
         if base not in self._types or called:
             return None
         if inside:
@@ -127,6 +136,21 @@ class LayerTables:
         return (f"{base} is a module of {self.model_name} that its forward pass never "
                 "calls (its parent uses its weights directly), so nothing passes "
                 "through it to capture")
+
+    def fx_node_names(self) -> list[str]:
+        """torchvision's feature-extraction node names that are no layer here, in the
+        order of its graph."""
+        return list(self._fx_nodes())
+
+    def _fx_nodes(self) -> dict[str, FxNode]:
+        """torchvision's node names that are no layer, traced once. `TRACING` is taken
+        first: a compile may hold it for seconds, and the tables must not wait."""
+        if self._fx is None:
+            with TRACING, self._lock:   # the lock: no dry run of the copy meanwhile
+                if self._fx is None:
+                    table = next(iter(self._tables.values()), None)   # any size's names
+                    self._fx = fx_nodes(self._meta, layer_names(table)) if table else {}
+        return self._fx
 
     def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
         found: list[tuple[str, str, str, torch.Tensor]] = []
