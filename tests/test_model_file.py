@@ -115,6 +115,10 @@ def test_a_model_file_serves_three_models_with_their_own_digests(tmp_path):
      "resnet18=fp64: 'fp64' is not a precision"),
     ('[[model]]\narchitecture = "resnet18"\nweights = "random"\nprecision = "fp16"\n',
      "fp16 for resnet18: fp16 runs on CUDA devices only"),
+    ('[[model]]\narchitecture = "googlenet"\ntransform_input = "yes"\n',
+     "transform_input 'yes': use true or false"),
+    ('[[model]]\narchitecture = "resnet18"\nweights = "random"\ntransform_input = true\n',
+     "resnet18: transform_input applies to googlenet and inception_v3 only"),
     ('[[model]\n', "is not valid TOML"),
     ('', "declares no model"),
 ])

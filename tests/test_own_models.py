@@ -297,3 +297,36 @@ def test_pickled_whole_model_is_one_line_from_a_real_process(tmp_path):
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "a whole model" in lines[0]
     assert "torch.save(model.state_dict(), PATH)" in lines[0]
+
+
+def test_a_googlenet_fine_tuned_from_imagenet_weights_keeps_its_input_transform(
+        make_server, tmp_path, caplog):
+    """torchvision builds googlenet with transform_input=True for its ImageNet weights,
+    and a model fine-tuned from them keeps it, though its state_dict does not say so:
+    `transform_input = true` in --models serves it as it ran. Without the key the
+    start-up log says what to set, and another architecture refuses the key."""
+    torch.manual_seed(10)
+    ref = torchvision.models.get_model("googlenet", weights=None, aux_logits=False,
+                                       init_weights=False, transform_input=True,
+                                       num_classes=CLASSES).eval()
+    path = tmp_path / "googlenet.pt"
+    torch.save(ref.state_dict(), path)
+    (tmp_path / "models.toml").write_text(
+        '[[model]]\narchitecture = "googlenet"\nweights = "googlenet.pt"\n'
+        "transform_input = true\n")
+    s = make_server("--models", str(tmp_path / "models.toml"))
+    img = rand_image(SIDE, SIDE, seed=6)
+    with s.client(timeout=120) as c:
+        (m,) = c.list_models()
+        got = c.extract(img, ["inception3a", "fc"], model="googlenet", resize=SIDE,
+                        crop=SIDE)
+    want = hooked(ref, img, ["inception3a", "fc"], m.mean, m.std)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)
+    with caplog.at_level(logging.WARNING, logger="hookserve.models"):
+        model, _ = build_model("googlenet", str(path))
+    assert model.transform_input is False
+    assert "say transform_input = true for it in --models" in caplog.text
+    with pytest.raises(ConfigError, match="transform_input applies to googlenet and "
+                       "inception_v3 only"):
+        build_model("resnet18", "random", transform_input=True)

@@ -100,7 +100,7 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     for e in pre.entries:
         name = e.name
         dev, dtype = devices[name], e.dtype or args.dtype
-        module, info = build_model(e.arch, weights[name], seed=args.seed)
+        module, info = build_model(e.arch, weights[name], args.seed, e.transform_input)
         labels = model_labels(name, e.arch, info.source, info.num_classes, e.labels)
         cl = channels_last(args.memory_format, args.channels_last, e.arch, dev)
         models.append(ServedModel(name, e.arch, module, info, dev, dtype, cl, labels,

@@ -51,17 +51,18 @@ def check_timm(arch: str) -> None:
 #: are built without them, and a weights file's keys for them are left out.
 AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
 #: Architectures whose ImageNet weights expect their input re-normalised inside the
-#: model: torchvision sets ``transform_input=True`` when it loads those weights.
+#: model: torchvision sets ``transform_input=True`` when it loads those weights, and a
+#: model fine-tuned from them keeps it (a state_dict does not record it).
 TRANSFORM_INPUT = ("googlenet", "inception_v3")
 
 
-def build(arch: str, num_classes: int | None = None, imagenet: bool = False,
+def build(arch: str, num_classes: int | None = None, transform_input: bool = False,
           left_out: tuple[str, ...] = ()) -> nn.Module:
     """`arch` with random weights (on the current default device), with `num_classes`
     outputs (None: the architecture's default; NO_HEAD: none, the modules `left_out`,
-    by default the head's layers, are nn.Identity), as torchvision builds it for its
-    ImageNet weights when `imagenet`. ``timm:<name>`` builds a timm model, never
-    downloading weights."""
+    by default the head's layers, are nn.Identity), re-normalising its input inside
+    the model when `transform_input` (TRANSFORM_INPUT architectures only).
+    ``timm:<name>`` builds a timm model, never downloading weights."""
     if is_timm(arch):   # (timm's num_classes=0 is its own model without a head)
         kwargs = {} if num_classes is None else {"num_classes": num_classes}
         return _timm().create_model(arch[len(TIMM_PREFIX):], pretrained=False, **kwargs)
@@ -69,7 +70,7 @@ def build(arch: str, num_classes: int | None = None, imagenet: bool = False,
         "num_classes": num_classes}
     if arch in AUX_HEADS:
         kwargs["aux_logits"] = False
-    if imagenet and arch in TRANSFORM_INPUT:
+    if transform_input:
         kwargs["transform_input"] = True
     model = torchvision.models.get_model(arch, weights=None, **kwargs)
     if num_classes == NO_HEAD:

@@ -9,6 +9,9 @@
     device = "cuda:0"               # optional: auto | cpu | cuda:N (--device)
     precision = "fp32"              # optional: fp32 | bf16 | fp16 (--precision; the
                                     # last two autocast, with dtype float32 only)
+    transform_input = true          # googlenet, inception_v3 only: the input is
+                                    # re-normalised inside the model (default: with
+                                    # imagenet weights only, as torchvision does)
     [model.preprocessing]           # optional: each key overrides the weights' transforms()
     resize = 256
     crop = 224                      # or [height, width]
@@ -33,7 +36,7 @@ from .errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
 KEYS = {"name", "architecture", "weights", "labels", "dtype", "device", "precision",
-        "preprocessing"}
+        "transform_input", "preprocessing"}
 PREPROCESSING_KEYS = {"resize", "crop", "mean", "std"}
 
 
@@ -49,6 +52,9 @@ class ModelEntry:
     device: str | None = None     # None: --device
     #: None: --precision (checked with it, in precision.py, once torch is loaded)
     precision: str | None = None
+    #: googlenet and inception_v3: whether the model re-normalises its input (None: as
+    #: torchvision builds it for the weights, architectures.TRANSFORM_INPUT)
+    transform_input: bool | None = None
     #: Preprocessing overrides: resize, crop (h, w), mean, std (None: the weights').
     resize: int | None = None
     crop: tuple[int, int] | None = None
@@ -118,11 +124,14 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
         raise ConfigError(f"{where}: dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     device = _string(t["device"], "device", where) if "device" in t else None
     prec = _string(t["precision"], "precision", where) if "precision" in t else None
+    transform = t.get("transform_input")
+    if transform is not None and not isinstance(transform, bool):
+        raise ConfigError(f"{where}: transform_input {transform!r}: use true or false")
     pre = t.get("preprocessing", {})
     if not isinstance(pre, dict) or set(pre) - PREPROCESSING_KEYS:
         raise ConfigError(f"{where}: preprocessing takes the keys "
                           f"{', '.join(sorted(PREPROCESSING_KEYS))}")
-    return ModelEntry(name, arch, weights, labels, dtype, device, prec,
+    return ModelEntry(name, arch, weights, labels, dtype, device, prec, transform,
                       resize=_side(pre["resize"], "resize", where) if "resize" in pre else None,
                       crop=_crop(pre["crop"], where) if "crop" in pre else None,
                       mean=_triple(pre["mean"], "mean", where) if "mean" in pre else None,

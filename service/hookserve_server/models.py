@@ -19,6 +19,7 @@ from torch import nn
 from .architectures import (
     DEFAULT_CLASSES,
     NO_HEAD,
+    TRANSFORM_INPUT,
     build,
     check_timm,
     classifier_keys,
@@ -153,8 +154,14 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
     return sd, f"{type(weights).__name__}.{weights.name}", verified
 
 
-def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, WeightsInfo]:
-    """Build `arch` on the CPU with `weights` = auto | imagenet | random | PATH."""
+def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | None = None
+                ) -> tuple[nn.Module, WeightsInfo]:
+    """Build `arch` on the CPU with `weights` = auto | imagenet | random | PATH.
+    `transform_input` (googlenet, inception_v3): whether the model re-normalises its
+    input; None: as torchvision builds it for those weights (ImageNet's only)."""
+    if transform_input is not None and arch not in TRANSFORM_INPUT:
+        raise ConfigError(f"{arch}: transform_input applies to "
+                          f"{' and '.join(TRANSFORM_INPUT)} only; remove it")
     if is_timm(arch):
         check_timm(arch)
         if weights == "imagenet":
@@ -180,13 +187,14 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
                         exc, extra=LOUD)
             weights = "random"
         else:
-            model = build(arch, imagenet=True)
+            model = build(arch, transform_input=transform_input is not False
+                          and arch in TRANSFORM_INPUT)
             load_into(model, without_aux_heads(arch, sd), f"cached ImageNet weights for {arch}",
                       arch)
             return model, WeightsInfo("imagenet", name, state_dict_digest(model.state_dict()),
                                       True, verified)
     if weights == "random":
-        model = build(arch)
+        model = build(arch, transform_input=bool(transform_input))
         return model, WeightsInfo("random", f"seed={seed}",
                                   state_dict_digest(model.state_dict()), False,
                                   num_classes=default_classes(model))
@@ -199,7 +207,14 @@ def build_model(arch: str, weights: str, seed: int = 0) -> tuple[nn.Module, Weig
         left_out = classifier_left_out(state_dict_keys(arch) - set(head), sd,
                                        head_modules(head)) or head_modules(head)
     # a fine-tuned head: as many outputs as the checkpoint's; none in the file: no head
-    model = build(arch, NO_HEAD if classes is None else classes, left_out=left_out)
+    if transform_input is None and arch in TRANSFORM_INPUT:
+        log.warning("%s: weights file %s is served without re-normalising the input inside "
+                    "the model (transform_input=False, as torchvision's get_model(%r, "
+                    "weights=None) builds it); a model fine-tuned from torchvision's "
+                    "ImageNet weights ran with transform_input=True: say "
+                    "transform_input = true for it in --models", arch, path, arch)
+    model = build(arch, NO_HEAD if classes is None else classes, bool(transform_input),
+                  left_out=left_out)
     load_into(model, sd, f"weights file {path}", arch, head)
     if classes is None:
         classes = NO_HEAD
