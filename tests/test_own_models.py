@@ -330,3 +330,28 @@ def test_a_googlenet_fine_tuned_from_imagenet_weights_keeps_its_input_transform(
     with pytest.raises(ConfigError, match="transform_input applies to googlenet and "
                        "inception_v3 only"):
         build_model("resnet18", "random", transform_input=True)
+
+
+def test_one_weights_file_with_and_without_the_input_transform_share_no_answers(
+        make_server, tmp_path):
+    """Two models over one googlenet file, one re-normalising its input: the weights
+    digest is the same, so the answer cache tells them apart by the transform."""
+    torch.manual_seed(11)
+    ref = torchvision.models.get_model("googlenet", weights=None, aux_logits=False,
+                                       init_weights=False, transform_input=True).eval()
+    torch.save(ref.state_dict(), tmp_path / "googlenet.pt")
+    (tmp_path / "models.toml").write_text("".join(
+        f'[[model]]\nname = "{name}"\narchitecture = "googlenet"\n'
+        f'weights = "googlenet.pt"\ntransform_input = {flag}\n'
+        for name, flag in (("plain", "false"), ("transformed", "true"))))
+    s = make_server("--models", str(tmp_path / "models.toml"), "--cache-bytes", "64MiB")
+    img = rand_image(SIDE, SIDE, seed=7)
+    with s.client(timeout=120) as c:
+        models = {m.name: m for m in c.list_models()}
+        assert models["plain"].weights_digest == models["transformed"].weights_digest
+        plain = c.extract(img, ["inception3a"], model="plain", resize=SIDE, crop=SIDE)
+        got = c.extract(img, ["inception3a"], model="transformed", resize=SIDE, crop=SIDE)
+    want = hooked(ref, img, ["inception3a"], models["transformed"].mean,
+                  models["transformed"].std)
+    np.testing.assert_allclose(got["inception3a"], want["inception3a"], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(plain["inception3a"], got["inception3a"], rtol=1e-2, atol=1e-2)

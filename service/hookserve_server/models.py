@@ -277,6 +277,8 @@ class ServedModel:
         if channels_last:
             module.to(memory_format=torch.channels_last)
         self.module = module
+        #: googlenet, inception_v3: the input is re-normalised inside the model
+        self.transform_input = bool(getattr(module, "transform_input", False))
         self.modules: dict[str, nn.Module] = dict(module.named_modules())
         self.mean = torch.tensor(self.defaults.mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(self.defaults.std, device=device).view(1, 3, 1, 1)

@@ -6,8 +6,9 @@ Attribute. A key is the digest of, in order:
 
 - a format tag (a change of layout never reads an old value);
 - the image's own bytes (encoded, or raw pixels with their height and width);
-- what computes: architecture, weights digest (sha256 of the state dict), the class
-  names (an Attribute answer's top 5 carries them), dtype, precision (`--precision`),
+- what computes: architecture, weights digest (sha256 of the state dict), whether the
+  model re-normalises its input (googlenet's and inception_v3's transform_input), the
+  class names (an Attribute answer's top 5 carries them), dtype, precision (`--precision`),
   memory format, device type; the versions of hookserve, torch, torchvision and
   Pillow; whether JPEGs are decoded on the model's GPU (``--gpu-decode``);
 - the resolved preprocessing: the resize and crop the geometry rule gives for the
@@ -60,8 +61,9 @@ def image_digest(image: ImageInput) -> bytes:
 
 def model_part(m: ServedModel, gpu_decode: bool = False) -> tuple:
     """What computes the answer: a different entry means a different key."""
-    return (m.arch, m.weights.digest, m.labels_digest, m.dtype.name, m.precision.value,
-            m.channels_last, m.device.type, *VERSIONS, gpu_decode and m.device.type == "cuda")
+    return (m.arch, m.weights.digest, m.transform_input, m.labels_digest, m.dtype.name,
+            m.precision.value, m.channels_last, m.device.type, *VERSIONS,
+            gpu_decode and m.device.type == "cuda")
 
 
 def preprocess_part(m: ServedModel, pre: Preprocess) -> tuple:
