@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import urllib.request
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -21,7 +22,6 @@ from torch._dynamo.utils import counters
 from hookserve_server.capture.compiled import build_graph
 from hookserve_server.capture.forward import capture
 from hookserve_server.capture.plan import CapturePlan, CapturePoint
-from hookserve_server.capture.tracing import TRACING
 from hookserve_server.engine.compiled import bucket
 from hookserve_server.engine.config import CompileSettings, parse_warm
 from hookserve_server.errors import ConfigError
@@ -438,37 +438,47 @@ def test_a_compile_leaves_no_thread_behind(make_server, images):
         assert not t.is_alive(), t.name
 
 
-def test_a_trace_leaves_other_threads_module_calls_alone(server, images):
-    """torch.fx replaces nn.Module.__call__ for the whole process while it traces. With
-    a trace held open on one thread (its module's forward waits), what other threads
-    run meanwhile is served as usual: a new input size's layer table (DescribeModel: a
-    meta dry run on a gRPC thread) and an Extract's forward pass on the model's thread.
-    The trace still records its own module calls."""
-    inside, release = threading.Event(), threading.Event()
+class Paused(torch.nn.Module):
+    """A module whose forward waits on `release` (after setting `inside`): traced by
+    `build_graph` on a thread of its own, it holds a real trace open."""
 
-    class Paused(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    def __init__(self, inside: threading.Event, release: threading.Event) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.inside, self.release = inside, release
 
-        def forward(self, x):
-            x = self.a(x)
-            inside.set()
-            release.wait(120)   # the trace is on while this waits
-            return self.b(x)
+    def forward(self, x):
+        x = self.a(x)
+        self.inside.set()
+        self.release.wait(120)   # the trace is on while this waits
+        return self.b(x)
 
-    built: list = []
-    tracing = threading.Thread(
-        target=lambda: built.append(build_graph(Paused(), (CapturePoint("a", 0),))))
-    tracing.start()
+
+@contextmanager
+def trace_held_open():
+    """A real torch.fx trace, held open on another thread while the body runs; yields
+    the list its GraphModule is appended to when it ends."""
+    inside, release, built = threading.Event(), threading.Event(), []
+    t = threading.Thread(target=lambda: built.append(
+        build_graph(Paused(inside, release), (CapturePoint("a", 0),))))
+    t.start()
     try:
         assert inside.wait(120)
-        with server.client(timeout=120) as c:
-            described = c.describe("resnet18", "72x88")   # a size no other test asks for
-            got = c.extract(images[0], ["layer1", "fc"], model="resnet18", native=True)
+        yield built
     finally:
         release.set()
-        tracing.join(120)
+        t.join(120)
+
+
+def test_a_trace_leaves_other_threads_module_calls_alone(server, images):
+    """torch.fx replaces nn.Module.__call__ for the whole process while it traces. With
+    a trace held open on one thread, what other threads run meanwhile is served as
+    usual: a new input size's layer table (DescribeModel: a meta dry run on a gRPC
+    thread) and an Extract's forward pass on the model's thread. The trace still
+    records its own module calls."""
+    with trace_held_open() as built, server.client(timeout=120) as c:
+        described = c.describe("resnet18", "72x88")   # a size no other test asks for
+        got = c.extract(images[0], ["layer1", "fc"], model="resnet18", native=True)
     assert described.input_size == (72, 88)
     assert [li.shape for li in described.layers if li.name == "layer1"] == [(64, 18, 22)]
     assert got["layer1"].shape == (64, 16, 16) and got["fc"].shape == (1000,)
@@ -476,10 +486,12 @@ def test_a_trace_leaves_other_threads_module_calls_alone(server, images):
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["a"]
 
 
-def test_traces_and_compiles_take_turns_across_devices(make_server, images):
-    """A trace or compile elsewhere in the process (another device's; here the test
-    holds the lock they take) never makes the model's thread wait: the due layer set is
-    answered by eager meanwhile, and traced and compiled once the lock is free."""
+def test_a_trace_elsewhere_never_meets_a_compiled_graph(make_server, images):
+    """A compiled graph called while another thread traces would recompile on the
+    model's thread (dynamo guards on nn.Module.__call__, which the trace replaces), and
+    a due layer set would wait for the trace. Neither happens: while the trace is open,
+    batches are answered by eager, nothing is traced or compiled, and afterwards the
+    graph answers again without a second compile."""
     ran = []
 
     def recording(gm, example_inputs):   # a torch.compile backend: no code generation
@@ -488,9 +500,13 @@ def test_traces_and_compiles_take_turns_across_devices(make_server, images):
 
     s = make_server("--model", "resnet18", "--weights", "random")
     s.engine.compile_graphs(CompileSettings("auto", after=1, backend=recording))
-    with TRACING, s.client(timeout=60) as c:
-        for _ in range(3):
-            assert c.extract(images[0], ["layer1"], model="resnet18", native=True)
-        assert (stats(s).compiles, stats(s).eager, stats(s).pending, ran) == (0, 3, 0, [])
     compile_now(s, "resnet18", ["layer1"], images[:1], native=True)
-    assert stats(s).compiles == 1 and len(ran) == 1
+    hits, eager = stats(s).hits, stats(s).eager
+    with trace_held_open(), s.client(timeout=60) as c:
+        for layers in (["layer1"], ["layer2"], ["layer2"]):   # ready; due, then due again
+            assert c.extract(images[0], layers, model="resnet18", native=True)
+        assert (stats(s).hits, stats(s).eager, stats(s).pending) == (hits, eager + 3, 0)
+    assert (stats(s).compiles, len(ran)) == (1, 1)
+    compile_now(s, "resnet18", ["layer1"], images[:1], native=True)
+    compile_now(s, "resnet18", ["layer2"], images[:1], native=True)
+    assert (stats(s).compiles, len(ran)) == (2, 2)

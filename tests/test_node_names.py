@@ -66,7 +66,7 @@ def test_each_family_node_names_equal_their_layers(make_server, arch):
     side = FAMILIES[arch]
     s = make_server("--model", arch, "--weights", "random", "--seed", "1")
     model = s.engine.models[arch]
-    nodes = [n for n in model.tables.fx_node_names() if n != "x"]
+    nodes = model.tables.fx_node_names()
     step = max(1, len(nodes) // PER_MODEL)
     nodes = nodes[::step][:PER_MODEL] + (["encoder.layers.encoder_layer_0.ln"]
                                          if arch == "vit_b_16" else [])
@@ -109,3 +109,28 @@ def test_each_family_node_names_equal_their_layers(make_server, arch):
             "encoder.layers.encoder_layer_0.ln_1"
     if arch in ("resnet18", "regnet_y_400mf"):   # residual sums before in-place ReLUs
         assert any(changed for _, changed in asked.values())
+
+
+def test_an_input_transformed_inside_the_model_is_no_layer(make_server, tmp_path):
+    """googlenet with transform_input re-normalises its input inside the forward pass:
+    there `x` is no layer's value, and the transform's last node (`cat`) is the first
+    convolution's input."""
+    (tmp_path / "models.toml").write_text(
+        '[[model]]\narchitecture = "googlenet"\nweights = "random"\n'
+        "transform_input = true\n")
+    s = make_server("--models", str(tmp_path / "models.toml"))
+    model = s.engine.models["googlenet"]
+    image = rand_image(64, 64, seed=8)
+    with s.client(timeout=120) as c:
+        x = refusal(c, "x", "googlenet", encode(image))
+        cat = SAME.search(refusal(c, "cat", "googlenet", encode(image)))
+        assert cat and cat.group(1) == "conv1.conv:input"
+        got = c.extract(encode(image), [cat.group(1)], model="googlenet", native=True)
+    assert "x is the model's input" in x and "no layer holds its values" in x
+    mean = torch.tensor(model.defaults.mean).view(1, 3, 1, 1)
+    std = torch.tensor(model.defaults.std).view(1, 3, 1, 1)
+    pixels = (torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255 - mean) / std
+    with torch.no_grad():
+        want = create_feature_extractor(copy.deepcopy(model.module), ["cat"])(pixels)
+    np.testing.assert_allclose(got[cat.group(1)], want["cat"][0].numpy(), rtol=1e-4,
+                               atol=1e-4)

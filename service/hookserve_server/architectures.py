@@ -99,15 +99,16 @@ def timm_transforms(arch: str) -> tuple[int, tuple[int, int], tuple, tuple]:
             tuple(float(x) for x in cfg["mean"]), tuple(float(x) for x in cfg["std"]))
 
 
-def build_meta(arch: str, num_classes: int | None = None, left_out: tuple[str, ...] = ()
-               ) -> nn.Module:
-    """`arch` on the meta device (shapes, no memory). A builder that computes with
-    tensors (regnet's widths) cannot run there: it is built on the CPU and moved."""
+def build_meta(arch: str, num_classes: int | None = None, left_out: tuple[str, ...] = (),
+               transform_input: bool = False) -> nn.Module:
+    """`arch` on the meta device (shapes, no memory), built as `build` builds it. A
+    builder that computes with tensors (regnet's widths) cannot run there: it is built
+    on the CPU and moved."""
     try:
         with torch.device("meta"):
-            return build(arch, num_classes, left_out=left_out)
+            return build(arch, num_classes, transform_input, left_out=left_out)
     except (NotImplementedError, RuntimeError):
-        return build(arch, num_classes, left_out=left_out).to("meta")
+        return build(arch, num_classes, transform_input, left_out=left_out).to("meta")
 
 
 @functools.cache

@@ -283,9 +283,10 @@ class ServedModel:
         self.mean = torch.tensor(self.defaults.mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(self.defaults.std, device=device).view(1, 3, 1, 1)
         self.tables = LayerTables(name, arch, self.torch_dtype, weights.num_classes,
-                                  weights.left_out)
+                                  weights.left_out, self.transform_input)
         #: layer name -> (module path, call index)
         self.layer_index = layer_names(self.layer_table(*self.defaults.crop))
+        self.tables.fx_node_names()   # traced now, before the model serves
         #: The layer the CAM methods explain when none is named.
         self.default_cam_layer = default_cam_layer(arch, self.layer_table(*self.defaults.crop),
                                                    self.modules)

@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 
 from .plan import CapturePoint, Kind
-from .tracing import TRACING, OwnThread
+from .tracing import OwnThread, tracing
 
 
 class _Tracer(OwnThread):
@@ -46,7 +46,7 @@ def build_graph(module: nn.Module, points: tuple[CapturePoint, ...]
     paths = {p.module for p in points}
     if _nested(paths):
         return None
-    with TRACING:
+    with tracing():   # (re-entrant: the engine may hold it already)
         graph = _Tracer(paths).trace(module)
     calls: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:

@@ -15,8 +15,8 @@ shape lookup. No hook sees them, but many hold what a layer holds:
 
 `fx_nodes` traces the model once with torchvision's own tracer (on the meta device
 copy the layer tables use) and says, for each such node, which layer it equals. A
-value changed in place after it was made (``F.relu(t, inplace=True)``, ``t += u``) is
-not matched, with one exception: a module that changes its input in place
+value changed in place after it was made (``F.relu(t, inplace=True)``, ``t.add_(u)``)
+is not matched, with one exception: a module that changes its input in place
 (``ReLU(inplace=True)`` after a residual sum). Its input holds the value as made; its
 output holds it changed, which is what torchvision's extractor returns for the node
 whenever it also computes a later node (alone, it prunes the module away).
@@ -24,15 +24,17 @@ whenever it also computes a later node (alone, it prunes the module away).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
+import threading
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
 from torch import fx, nn
 
-from .tracing import TRACING, OwnThread
+from .tracing import OwnThread, tracing
 
 log = logging.getLogger("hookserve.models")
 
@@ -93,18 +95,19 @@ def fx_nodes(meta: nn.Module, layers: Container[str]) -> dict[str, FxNode]:
             self.returned_by: dict[fx.Node, str] = {}
 
         def call_module(self, m: nn.Module, forward, args, kwargs) -> Any:
+            if m is meta or threading.get_ident() != self._thread:   # OwnThread's
+                return super().call_module(m, forward, args, kwargs)
+            path = self.path_of_module(m)
+            k = self.calls.get(path, 0)
+            self.calls[path] = k + 1   # every call, as the layer tables count them
             out = super().call_module(m, forward, args, kwargs)
-            if isinstance(out, fx.Proxy) and m is not meta:
-                path = self.path_of_module(m)
-                k = self.calls.get(path, 0)
-                self.calls[path] = k + 1
-                # the innermost module that returned it: the first to end
+            if isinstance(out, fx.Proxy):   # the innermost module that returned it
                 self.returned_by.setdefault(out.node, _call_name(path, k))
             return out
 
     tracer = Tracer()
     try:
-        with TRACING:   # (re-entrant: the layer tables hold it already)
+        with tracing():
             graph = tracer.trace(meta.eval())
     except Exception as exc:   # untraceable control flow: no names to offer
         log.debug("no feature-extraction node names for %s: %s", type(meta).__name__, exc)
@@ -164,10 +167,20 @@ def _in_place(user: fx.Node, node: fx.Node, meta: nn.Module) -> bool:
     if user.op == "call_method":
         return str(user.target).endswith("_") and not str(user.target).endswith("__")
     if user.op == "call_function":
-        return user.target in _IN_PLACE or user.kwargs.get("inplace") is True
+        name = getattr(user.target, "__name__", "")
+        return (user.target in _IN_PLACE or (name.endswith("_") and not name.endswith("__"))
+                or _bound(user).get("inplace") is True)
     if user.op == "call_module":
         return getattr(meta.get_submodule(str(user.target)), "inplace", None) is True
     return False
+
+
+def _bound(call: fx.Node) -> dict[str, Any]:
+    """A function call's arguments by parameter name ({} where that cannot be told)."""
+    try:
+        return inspect.signature(call.target).bind_partial(*call.args, **call.kwargs).arguments
+    except (TypeError, ValueError):
+        return dict(call.kwargs)
 
 
 def _what(node: fx.Node) -> str:

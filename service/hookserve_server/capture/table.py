@@ -23,7 +23,7 @@ from ..recent import Recent
 from ..spec import DType, Layout
 from .node_names import FxNode, fx_nodes
 from .reduce import DTYPE_OF_TORCH
-from .tracing import TRACING
+from .tracing import tracing
 
 #: Input sizes whose table is kept per model.
 CACHED_SIZES = 512
@@ -85,10 +85,11 @@ class LayerTables:
     """Layer tables of one architecture, built on a meta-device copy of it."""
 
     def __init__(self, model_name: str, arch: str, dtype: torch.dtype,
-                 num_classes: int | None = None, left_out: tuple[str, ...] = ()) -> None:
+                 num_classes: int | None = None, left_out: tuple[str, ...] = (),
+                 transform_input: bool = False) -> None:
         self.model_name = model_name
         self.dtype = dtype
-        self._meta = build_meta(arch, num_classes, left_out)
+        self._meta = build_meta(arch, num_classes, left_out, transform_input)
         self._meta.eval().requires_grad_(False).to(dtype=dtype)
         self._lock = threading.Lock()
         #: (height, width) -> its table, the CACHED_SIZES most recently used
@@ -143,14 +144,16 @@ class LayerTables:
         return list(self._fx_nodes())
 
     def _fx_nodes(self) -> dict[str, FxNode]:
-        """torchvision's node names that are no layer, traced once. `TRACING` is taken
-        first: a compile may hold it for seconds, and the tables must not wait."""
+        """torchvision's node names that are no layer, traced once, when the model is
+        set up (`ServedModel`), before it serves: a trace runs alone in the process
+        (capture/tracing.py), so it is not left for a request to wait on. The trace
+        comes first, then the lock: a trace may wait, the tables must not."""
         if self._fx is None:
-            with TRACING, self._lock:   # the lock: no dry run of the copy meanwhile
-                if self._fx is None:
-                    table = next(iter(self._tables.values()), None)   # any size's names
-                    self._fx = fx_nodes(self._meta, layer_names(table)) if table else {}
-        return self._fx
+            with tracing(), self._lock:   # the lock: no dry run of the copy meanwhile
+                table = next(iter(self._tables.values()), None)   # any size's names
+                if self._fx is None and table is not None:
+                    self._fx = fx_nodes(self._meta, layer_names(table))
+        return self._fx or {}
 
     def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
         found: list[tuple[str, str, str, torch.Tensor]] = []

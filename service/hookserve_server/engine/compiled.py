@@ -53,7 +53,7 @@ from ..capture.compiled import build_graph, graph_bytes, to_bucket
 from ..capture.forward import capture
 from ..capture.plan import CapturePlan, CapturePoint, point_of
 from ..capture.reduce import reduce
-from ..capture.tracing import TRACING
+from ..capture.tracing import sharing, tracing
 from ..errors import ConfigError
 from ..models import ServedModel
 from ..precision import autocast
@@ -167,30 +167,36 @@ class CompiledGraphs:
             if fns[0] is not None:
                 for k in keys:
                     self._graphs.move_to_end(k)
-                self.stats.hits += 1
-            else:
-                self.stats.eager += 1
-        self.telemetry.compile_event("eager" if fns[0] is None else "hit")
-        for key in due:
+        for key in due:   # (a trace runs alone: before this batch shares the graphs)
             self._submit(model, key)
-        if fns[0] is None:
+        with sharing(wait=False) as shared:   # while a trace runs, this batch is eager
+            ready = fns[0] is not None and shared
+            with self._lock:
+                if ready:
+                    self.stats.hits += 1
+                else:
+                    self.stats.eager += 1
+            self.telemetry.compile_event("hit" if ready else "eager")
+            if ready:
+                outs, start = [], 0
+                with torch.inference_mode(), autocast(model.precision, x.device):
+                    for (fn, _), rows in zip(fns, parts, strict=True):
+                        chunk = x[start:start + rows]
+                        outs.append(fn(to_bucket(chunk, rows, model.channels_last)))
+                        start += chunk.shape[0]
+                    joined = outs[0] if len(outs) == 1 else [
+                        torch.cat(ts) for ts in zip(*outs, strict=True)]
+        if not ready:
             return capture(model, x, plan)
-        outs, start = [], 0
-        with torch.inference_mode(), autocast(model.precision, x.device):
-            for (fn, _), rows in zip(fns, parts, strict=True):
-                chunk = x[start:start + rows]
-                outs.append(fn(to_bucket(chunk, rows, model.channels_last)))
-                start += chunk.shape[0]
-            joined = outs[0] if len(outs) == 1 else [
-                torch.cat(ts) for ts in zip(*outs, strict=True)]
         captured = {}
         for point, t in zip(points, joined, strict=True):
             for spec in plan.points[point]:
                 captured[spec] = reduce(t[:n], spec, may_alias=False)
         return captured
 
-    def warm(self, models: dict[str, ServedModel]) -> None:
-        """Queue the `--warm` entries (start-up; the worker serves meanwhile)."""
+    def warm(self, models: dict[str, ServedModel]) -> list:
+        """Trace the `--warm` entries (start-up), to be queued by `start` once every
+        device's are traced: a trace waits for any compile already running."""
         jobs = []
         for w in self.settings.warm if self.enabled else ():
             m = models.get(w.model)
@@ -206,7 +212,10 @@ class CompiledGraphs:
             size = w.size or m.defaults.crop
             jobs.append((m, (m.name, points, bucket(w.batch), tuple(size))))
         with self._busy:   # every entry traced before the first compile starts
-            traced = [(m, key, self._trace(m, key)) for m, key in jobs]
+            return [(m, key, self._trace(m, key)) for m, key in jobs]
+
+    def start(self, traced: list) -> None:
+        """Queue the compiles of `warm`'s traced entries (the worker serves meanwhile)."""
         for job in traced:
             self._enqueue(*job)
 
@@ -239,19 +248,17 @@ class CompiledGraphs:
         return seen >= self.settings.after
 
     def _submit(self, model: ServedModel, key) -> None:
-        """Trace `key`'s graph here and queue its compile. Tracing and compiling take
-        turns, this device's (`_busy`) and every other's (`TRACING`): a trace never
-        waits for a compile to end, so while one runs, the key stays due and is traced
-        at a later batch."""
+        """Trace `key`'s graph here and queue its compile. A trace runs alone: never
+        beside this device's compile (`_busy`), nor any compile or compiled graph's
+        call in the process (`capture/tracing.py`). It waits for none of them: the
+        key stays due and is traced at a later batch."""
         if not self._busy.acquire(blocking=False):
             return
         try:
-            if not TRACING.acquire(blocking=False):
-                return
-            try:
+            with tracing(wait=False) as alone:
+                if not alone:
+                    return
                 gm = self._trace(model, key)
-            finally:
-                TRACING.release()
         finally:
             self._busy.release()
         self._enqueue(model, key, gm)
@@ -340,7 +347,7 @@ class CompiledGraphs:
                 # unfrozen in torch 2.14, this thread's setting does not. CUDA graphs
                 # compile unfrozen, as they were measured (docs/performance.md).
                 inductor.freezing = model.device.type == "cpu"
-            with self._busy, TRACING:
+            with self._busy, sharing():
                 done.append((*self._compile(model, key, gm), None))
         except BaseException as exc:   # reported by the compile loop, with its cause
             done.append((None, 0, exc))

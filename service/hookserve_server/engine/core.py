@@ -88,11 +88,15 @@ class Engine:
 
     def compile_graphs(self, settings: CompileSettings) -> None:
         """`--compile`: each device's worker serves compiled extraction graphs as they
-        become ready (engine/compiled.py); `--warm` entries are queued now."""
+        become ready (engine/compiled.py); `--warm` entries are traced on every device,
+        then queued."""
+        traced = []
         for device, w in self._workers.items():
             w.compiled = CompiledGraphs(settings, self.telemetry)
-            w.compiled.warm({n: m for n, m in self.models.items()
-                             if str(m.device) == device})
+            traced.append(w.compiled.warm({n: m for n, m in self.models.items()
+                                           if str(m.device) == device}))
+        for w, jobs in zip(self._workers.values(), traced, strict=True):
+            w.compiled.start(jobs)
 
     @property
     def compiled(self) -> list[CompiledGraphs]:
