@@ -5,7 +5,9 @@
 - `small_server`: the flags of a small, fast test server;
 - wire helpers: raw-stub Extract and Attribute calls, the CLI as a subprocess,
   `hookserve serve` as a real process, and readings of a server's own metrics;
-- `import_graph` / `import_cycles`: the one import-graph checker of the layout tests.
+- `import_graph` / `import_cycles`: the one import-graph checker of the layout tests;
+- `feature_extractor` / `graph_node_names`: torchvision's feature extraction (the
+  oracle of several tests), its torch.fx trace run alone in the process.
 """
 
 from __future__ import annotations
@@ -439,3 +441,25 @@ def shared_server(make_server, redis_server, *flags: str) :
     # A generous timeout: this machine is shared; the killed-Redis test sets its own.
     return make_server(*CACHE_BASE, "--cache-url", redis_server.url, "--cache-timeout-ms", "2000",
                        *flags)
+
+
+def feature_extractor(model, nodes):
+    """torchvision's `create_feature_extractor`, traced alone in the process as the
+    server's own traces are (capture/tracing.py): no compile of a server in this
+    process meets the torch.fx trace."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    from hookserve_server.capture.tracing import tracing
+
+    with tracing():
+        return create_feature_extractor(model, nodes)
+
+
+def graph_node_names(model) -> list[str]:
+    """torchvision's eval-mode node names of `model`, traced alone (as above)."""
+    from torchvision.models.feature_extraction import get_graph_node_names
+
+    from hookserve_server.capture.tracing import tracing
+
+    with tracing():
+        return get_graph_node_names(model)[1]

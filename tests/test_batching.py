@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torchvision.models.feature_extraction import create_feature_extractor
 
 from hookserve.images import to_image
 from hookserve.v1 import hookserve_pb2 as pb
@@ -27,7 +26,7 @@ from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.models import build_model
 
 from conftest import encode, rand_image
-from helpers import R18, wait_until
+from helpers import R18, feature_extractor, wait_until
 
 SIDE = 64  # native 64x64 images: cheap forward passes on a 2-core CPU
 FLAGS = [*R18, "--max-batch-size", "8", "--max-batch-delay-ms", "2000", "--metrics-port", "0"]
@@ -85,7 +84,7 @@ def one(srv, img, layers, **opts):
 def reference(images, layers: list[str]) -> list[dict[str, np.ndarray]]:
     """torchvision's own feature extractor, one image per forward, same weights."""
     module, _ = build_model("resnet18", "random", seed=0)
-    fx = create_feature_extractor(module.eval(), {n: n for n in layers})
+    fx = feature_extractor(module.eval(), {n: n for n in layers})
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
     out = []

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torchvision.models.feature_extraction import create_feature_extractor
 from torchvision.transforms._presets import ImageClassification
 
 import hookserve
@@ -19,7 +18,7 @@ from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 from hookserve_server.models import build_model
 
 from conftest import encode, rand_image
-from helpers import in_threads
+from helpers import feature_extractor, in_threads
 
 # CPU convolutions may pick different kernels for different batch sizes.
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -43,7 +42,7 @@ def oracle_model(arch: str, seed: int = 0, *, inplace: bool = False):
 
 def oracle(arch: str, layers: list[str], x: torch.Tensor, *, inplace: bool = False
            ) -> dict[str, np.ndarray]:
-    fe = create_feature_extractor(oracle_model(arch, inplace=inplace), layers)
+    fe = feature_extractor(oracle_model(arch, inplace=inplace), layers)
     with torch.no_grad():
         out = fe(x)
     return {k: v.numpy() for k, v in out.items()}

@@ -11,11 +11,11 @@ import re
 import numpy as np
 import pytest
 import torch
-from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
 import hookserve
 
 from conftest import encode, rand_image
+from helpers import feature_extractor, graph_node_names
 
 #: architecture -> input side (the transformers take their own size only)
 FAMILIES = {"resnet18": 64, "googlenet": 64, "densenet121": 64, "convnext_tiny": 64,
@@ -90,18 +90,18 @@ def test_each_family_node_names_equal_their_layers(make_server, arch):
     std = torch.tensor(model.defaults.std).view(1, 3, 1, 1)
     x = (torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255 - mean) / std
     module = copy.deepcopy(model.module)
-    output = get_graph_node_names(module)[1][-1]   # computing it computes every node
+    output = graph_node_names(module)[-1]   # computing it computes every node
 
     def same(layer: str, value: torch.Tensor, name: str) -> None:
         np.testing.assert_allclose(got[layer], value[0].numpy(), rtol=1e-4, atol=1e-4,
                                    err_msg=f"{name} -> {layer}")
 
     with torch.no_grad():
-        want = create_feature_extractor(module, [*asked, *renamed, output])(x)
+        want = feature_extractor(module, [*asked, *renamed, output])(x)
         for name, (layer, changed) in asked.items():
             same(changed or layer, want[name], name)
             if changed:   # alone, torchvision prunes the in-place module away
-                same(layer, create_feature_extractor(module, [name])(x)[name], name)
+                same(layer, feature_extractor(module, [name])(x)[name], name)
     for name, layer in renamed.items():
         same(layer, want[name], name)
     if arch == "vit_b_16":
@@ -131,6 +131,6 @@ def test_an_input_transformed_inside_the_model_is_no_layer(make_server, tmp_path
     std = torch.tensor(model.defaults.std).view(1, 3, 1, 1)
     pixels = (torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255 - mean) / std
     with torch.no_grad():
-        want = create_feature_extractor(copy.deepcopy(model.module), ["cat"])(pixels)
+        want = feature_extractor(copy.deepcopy(model.module), ["cat"])(pixels)
     np.testing.assert_allclose(got[cat.group(1)], want["cat"][0].numpy(), rtol=1e-4,
                                atol=1e-4)

@@ -11,7 +11,6 @@ import torch
 from PIL import Image
 from torchvision.io import decode_image
 from torchvision.models import ResNet18_Weights
-from torchvision.models.feature_extraction import create_feature_extractor
 
 from hookserve_server.errors import InvalidArgument
 from hookserve_server.models import build_model
@@ -19,7 +18,7 @@ from hookserve_server.preprocess import decode
 from hookserve_server.spec import ImageInput
 
 from conftest import encode, rand_image
-from helpers import small_server
+from helpers import feature_extractor, small_server
 
 LIMIT = 50_000_000
 
@@ -111,7 +110,7 @@ def test_features_equal_torchvision_tensor_recipe_bit_for_bit(client, make_serve
     with s.client(timeout=120) as contiguous:
         got = contiguous.extract(data, layers)
     model, _ = build_model("resnet18", "random", 0)
-    fe = create_feature_extractor(model.eval(), layers)
+    fe = feature_extractor(model.eval(), layers)
     x = ResNet18_Weights.IMAGENET1K_V1.transforms()(
         decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8)))
     with torch.inference_mode():

@@ -48,10 +48,12 @@ class _Gate:
                 if not wait:
                     return False
                 self._waiting += 1
+                self._cond.notify_all()   # (for whoever watches who waits)
                 try:
                     self._cond.wait_for(free)
                 finally:
                     self._waiting -= 1
+                    self._cond.notify_all()   # sharers held back by this wait
             self._tracer, self._depth = me, 1
             return True
 

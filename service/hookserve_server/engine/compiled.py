@@ -211,7 +211,8 @@ class CompiledGraphs:
                                   key=_order))
             size = w.size or m.defaults.crop
             jobs.append((m, (m.name, points, bucket(w.batch), tuple(size))))
-        with self._busy:   # every entry traced before the first compile starts
+        # every entry traced before the first compile starts, in one turn of the gate
+        with self._busy, tracing():
             return [(m, key, self._trace(m, key)) for m, key in jobs]
 
     def start(self, traced: list) -> None:
@@ -225,8 +226,21 @@ class CompiledGraphs:
             return self._lock.wait_for(lambda: not self._queued, timeout)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._todo.put(None)
+        """Stop compiling: the keys still queued are dropped (a server that stops
+        leaves no backlog of compiles behind), the one compiling ends."""
+        if self._thread is None:
+            return
+        with self._lock:
+            while True:
+                try:
+                    job = self._todo.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    self._queued.discard(job[1])
+            self.stats.pending = len(self._queued)
+            self._lock.notify_all()
+        self._todo.put(None)
 
     def _parts_fit(self, model: str, points, count: int) -> bool:
         """(Under the lock) whether `count` graphs of this layer set fit in the cache
