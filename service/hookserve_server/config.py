@@ -203,9 +203,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
               "or downloadable, else seeded random weights with a loud warning")
     _add(g, "--models", default=None, metavar="FILE",
          help="a TOML file declaring the served models ([[model]] tables: name, "
-              "architecture, weights, labels, dtype, device, preprocessing); it replaces "
-              "--model, --weights and --labels, and its first model is the default. "
-              "When unset, the models come from --model")
+              "architecture, weights, labels, dtype, device, precision, transform_input, "
+              "preprocessing); it replaces --model, --weights and --labels, and its first "
+              "model is the default. When unset, the models come from --model")
     _add(g, "--labels", default=None, repeat=True, metavar="MODEL=PATH",
          help="class names of a model: a text file, one name a line in class-index order "
               "(repeatable; a bare PATH when one model is served). They reach Attribute's "

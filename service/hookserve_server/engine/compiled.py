@@ -226,8 +226,7 @@ class CompiledGraphs:
             return self._lock.wait_for(lambda: not self._queued, timeout)
 
     def close(self) -> None:
-        """Stop compiling: the keys still queued are dropped (a server that stops
-        leaves no backlog of compiles behind), the one compiling ends."""
+        """Stop compiling: queued keys are dropped, the one compiling ends."""
         if self._thread is None:
             return
         with self._lock:
