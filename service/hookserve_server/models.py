@@ -286,7 +286,7 @@ class ServedModel:
                                   weights.left_out, self.transform_input)
         #: layer name -> (module path, call index)
         self.layer_index = layer_names(self.layer_table(*self.defaults.crop))
-        self.tables.fx_node_names()   # traced now, before the model serves
+        self.tables.trace_node_names(self.layer_index)
         #: The layer the CAM methods explain when none is named.
         self.default_cam_layer = default_cam_layer(arch, self.layer_table(*self.defaults.crop),
                                                    self.modules)

@@ -30,8 +30,5 @@ class Recent:
     def pop(self, key, default=None):
         return self._d.pop(key, default)
 
-    def values(self) -> list:
-        return list(self._d.values())
-
     def __len__(self) -> int:
         return len(self._d)

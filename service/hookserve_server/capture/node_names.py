@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import operator
 import threading
 from collections.abc import Container
 from dataclasses import dataclass
@@ -37,12 +36,6 @@ from torch import fx, nn
 from .tracing import OwnThread, tracing
 
 log = logging.getLogger("hookserve.models")
-
-#: Operators that change their first argument in place.
-_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-             operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-             operator.ior, operator.ixor, operator.ilshift, operator.irshift}
-
 
 @dataclass(frozen=True)
 class FxNode:
@@ -87,7 +80,8 @@ def fx_nodes(meta: nn.Module, layers: Container[str]) -> dict[str, FxNode]:
         return {}
 
     class Tracer(OwnThread, NodePathTracer):
-        """NodePathTracer, noting which module call returned each value."""
+        """NodePathTracer, noting which module call returned each value, by hookserve's
+        name for the call (a module kept whole returns its own call's node)."""
 
         def __init__(self) -> None:
             super().__init__(**_set_default_tracer_kwargs(None))
@@ -112,24 +106,18 @@ def fx_nodes(meta: nn.Module, layers: Container[str]) -> dict[str, FxNode]:
     except Exception as exc:   # untraceable control flow: no names to offer
         log.debug("no feature-extraction node names for %s: %s", type(meta).__name__, exc)
         return {}
-    names, calls = tracer.node_to_qualname, {}
+    names, returned_by = tracer.node_to_qualname, tracer.returned_by
     order = {n: i for i, n in enumerate(graph.nodes)}
-    here: dict[fx.Node, str] = {}   # a module call's node -> hookserve's name for it
-    for node in graph.nodes:
-        if node.op == "call_module":
-            k = calls.get(node.target, 0)
-            calls[node.target] = k + 1
-            here[node] = _call_name(str(node.target), k)
     out = {}
     for node in graph.nodes:
         name = names.get(node)
         if name is None or name in layers or node.op in ("get_attr", "output"):
             continue
         if node.op == "call_module":
-            if here[node] in layers:
-                out[name] = FxNode("a module call", here[node], renamed=True)
+            if returned_by[node] in layers:
+                out[name] = FxNode("a module call", returned_by[node], renamed=True)
             continue
-        out[name] = _node(node, meta, layers, tracer.returned_by, here, order)
+        out[name] = _node(node, meta, layers, returned_by, order)
     return out
 
 
@@ -139,36 +127,37 @@ def _call_name(path: str, k: int) -> str:
 
 
 def _node(node: fx.Node, meta: nn.Module, layers: Container[str],
-          returned_by: dict[fx.Node, str], here: dict[fx.Node, str], order: dict) -> FxNode:
+          returned_by: dict[fx.Node, str], order: dict) -> FxNode:
     what = _what(node)
     users = sorted(node.users, key=order.__getitem__)
     for u in users:
         if _in_place(u, node, meta):   # changed after it was made
-            if u.op == "call_module" and f"{here[u]}:input" in layers and here[u] in layers:
-                return FxNode(what, f"{here[u]}:input", here[u])
+            call = returned_by.get(u)
+            if u.op == "call_module" and f"{call}:input" in layers and call in layers:
+                return FxNode(what, f"{call}:input", call)
             return FxNode(what, None)
     module = returned_by.get(node)
     if module is not None and module in layers:
         return FxNode(what, module)
     for u in users:
         if u.op == "call_module" and u.args and u.args[0] is node:
-            name = f"{here[u]}:input"
+            name = f"{returned_by[u]}:input"
             if name in layers:
                 return FxNode(what, name)
     return FxNode(what, None)
 
 
 def _in_place(user: fx.Node, node: fx.Node, meta: nn.Module) -> bool:
-    """Whether `user` changes `node`'s value in place (an in-place operator, method or
-    function, or a module built with ``inplace=True``)."""
+    """Whether `user` changes `node`'s value in place (an in-place method or function,
+    or a module built with ``inplace=True``)."""
     first = user.args[0] if user.args else None
     if first is not node:
         return False
     if user.op == "call_method":
         return str(user.target).endswith("_") and not str(user.target).endswith("__")
-    if user.op == "call_function":
+    if user.op == "call_function":   # (fx records `t += u` as an out-of-place add)
         name = getattr(user.target, "__name__", "")
-        return (user.target in _IN_PLACE or (name.endswith("_") and not name.endswith("__"))
+        return (name.endswith("_") and not name.endswith("__")
                 or _bound(user).get("inplace") is True)
     if user.op == "call_module":
         return getattr(meta.get_submodule(str(user.target)), "inplace", None) is True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +102,9 @@ class LayerTables:
         self._types = {path: type(m).__name__ for path, m in self._meta.named_modules() if path}
         #: module paths a forward pass called, in the order their first call ended
         self._called: dict[str, None] = {}
-        #: torchvision's feature-extraction node names that are no layer (traced on
-        #: the first name asked for that is in no table)
-        self._fx: dict[str, FxNode] | None = None
+        #: torchvision's feature-extraction node names that are no layer (traced once,
+        #: by `trace_node_names`, when the model is set up)
+        self._fx: dict[str, FxNode] = {}
 
     def at(self, height: int, width: int) -> dict[str, LayerInfo]:
         """Every hookable layer at input HxW, in execution order (cached, LRU)."""
@@ -123,11 +124,10 @@ class LayerTables:
         with self._lock:
             why, called = self._not_tensors.get(name), base in self._called
             inside = [p for p in self._called if p.startswith(base + ".")]
-        node = None if why or base in self._types else self._fx_nodes().get(name)
         if why is not None:
             return why
-        if node is not None:
-            return node.reason(name, self.model_name)
+        if base not in self._types and name in self._fx:
+            return self._fx[name].reason(name, self.model_name)
         if base not in self._types or called:
             return None
         if inside:
@@ -141,19 +141,16 @@ class LayerTables:
     def fx_node_names(self) -> list[str]:
         """torchvision's feature-extraction node names that are no layer here, in the
         order of its graph."""
-        return list(self._fx_nodes())
+        return list(self._fx)
 
-    def _fx_nodes(self) -> dict[str, FxNode]:
-        """torchvision's node names that are no layer, traced once, when the model is
-        set up (`ServedModel`), before it serves: a trace runs alone in the process
-        (capture/tracing.py), so it is not left for a request to wait on. The trace
-        comes first, then the lock: a trace may wait, the tables must not."""
-        if self._fx is None:
-            with tracing(), self._lock:   # the lock: no dry run of the copy meanwhile
-                table = next(iter(self._tables.values()), None)   # any size's names
-                if self._fx is None and table is not None:
-                    self._fx = fx_nodes(self._meta, layer_names(table))
-        return self._fx or {}
+    def trace_node_names(self, layers: Container[str]) -> None:
+        """Find torchvision's node names that are no layer (`layers`: the valid layer
+        names), once, when the model is set up (`ServedModel`), before it serves: a
+        trace runs alone in the process (capture/tracing.py), so it is not left for a
+        request to wait on. The trace comes first, then the lock: a trace may wait, the
+        tables must not."""
+        with tracing(), self._lock:   # the lock: no dry run of the copy meanwhile
+            self._fx = fx_nodes(self._meta, layers)
 
     def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
         found: list[tuple[str, str, str, torch.Tensor]] = []
