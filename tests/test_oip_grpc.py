@@ -28,9 +28,15 @@ LAYERS = {"layer3.1.conv2": {}, "layer4": {"reduction": "avg"},
 IMAGES = [rand_image(40 + 8 * i, 48, seed=i) for i in range(3)]
 
 
+#: the server's own class names for resnet18 (a --labels file): classification names them
+NAMES = [f"class {i}" for i in range(1000)]
+
+
 @pytest.fixture(scope="module")
-def oip_server():
-    s = RunningServer(R18)
+def oip_server(tmp_path_factory):
+    labels = tmp_path_factory.mktemp("labels") / "names.txt"
+    labels.write_text("\n".join(NAMES) + "\n")
+    s = RunningServer([*R18, "--labels", f"resnet18={labels}"])
     yield s
     s.stop(2.0)
 
@@ -119,7 +125,7 @@ def test_no_outputs_is_the_logits_and_classification(triton, oip_server):
     assert top.shape == (2, 5)
     fields = [s.decode().split(":") for s in top[0]]
     assert [int(f[1]) for f in fields] == list(np.argsort(-logits[0], kind="stable")[:5])
-    assert all(len(f) == 3 and f[2] for f in fields)  # value:index:label
+    assert [f[2] for f in fields] == [NAMES[int(f[1])] for f in fields]  # value:index:label
     np.testing.assert_allclose([float(f[0]) for f in fields],
                                np.sort(logits[0])[::-1][:5], rtol=1e-5)
 
@@ -262,18 +268,26 @@ def test_attribution_equals_the_sdk(triton, oip_server, method, options):
     res = triton.infer(f"resnet18.{method}", [*inp, target], parameters=options)
     maps, logits = res.as_numpy("map"), res.as_numpy("logits")
     top5 = res.as_numpy("top5")
+    meta = {o["name"]: o["shape"] for o in triton.get_model_metadata(
+        f"resnet18.{method}", as_json=True)["outputs"]}
+    assert maps.ndim == len(meta["map"]) and maps.shape[:2] == (2, 1)  # [N, maps, ...]
     with hookserve.Client(oip_server.address, timeout=120) as c:
         for i, cls in enumerate((3, 7)):
             a = c.attribute(img, options.get("layer"), method=method, target=cls)
-            np.testing.assert_allclose(maps[i], a.map, rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(maps[i, 0], a.map, rtol=1e-4, atol=1e-6)
             assert logits[i, 0] == pytest.approx(a.logit, rel=1e-5)
-            assert [int(s.decode().split(":")[1]) for s in top5[i]] == [
-                t.index for t in a.top5]
+            fields = [s.decode().split(":") for s in top5[i]]
+            assert [int(f[1]) for f in fields] == [t.index for t in a.top5]
+            assert [f[2] for f in fields] == [NAMES[t.index] for t in a.top5]
     # a `target` parameter for every image, and only the map asked for
     res = triton.infer(f"resnet18.{method}", inp, parameters={**options, "target": 3},
                        outputs=[grpcclient.InferRequestedOutput("map")])
     np.testing.assert_allclose(res.as_numpy("map")[0], maps[0], rtol=1e-4, atol=1e-6)
     assert res.as_numpy("logits") is None
+    # top_k maps: the same rank, k maps an image
+    res = triton.infer(f"resnet18.{method}", inp, parameters={**options, "top_k": 3})
+    assert res.as_numpy("map").shape[:2] == (2, 3)
+    assert res.as_numpy("map").ndim == maps.ndim
     with pytest.raises(InferenceServerException) as err:
         triton.infer("resnet18.grad_cam", inp, parameters={"layer": "layer9"})
     assert code_of(err.value) == "StatusCode.INVALID_ARGUMENT"

@@ -95,8 +95,8 @@ class Preparer:
         h, w = read_header(image, self.config.max_image_pixels)
         g = plan_geometry(spec.preprocess, m.defaults.resize, m.defaults.crop, h, w)
         self.limits.geometry(g)
-        self._memory.check(g.peak_bytes, what="decoding and resizing this image would take "
-                           "about", fix="send a smaller image, or ask for a smaller resize")
+        self._memory.check(g.peak_bytes, what="the memory to decode and resize this image",
+                           fix="send a smaller image, or ask for a smaller resize")
         if spec.fixed_size is not None:
             return ImagePlan(g, spec.answer_bytes, spec.activation_bytes)
         answer, activation = spec.job.sizes(*g.input)

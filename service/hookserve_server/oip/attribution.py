@@ -3,8 +3,10 @@
 Request parameters: `layer`, `target` (one class for every image; or a `TARGET` INT64
 [N] input, one per image), `top_k`, `score`, `relu`, `normalize`, `upsample`,
 `ig_steps`, `ig_baseline`, `sg_samples`, `sg_sigma`, `sg_seed`, and the geometry ones.
-Outputs: `map` (FP32 [N, maps, h, w]), `logits` (FP32 [N, maps]: each map's class
-logit) and `top5` (BYTES [N, 5], "logit:index:label"); none requested: all three.
+Outputs: `map` (FP32 [N, maps, h, w] for the CAM methods, [N, maps, 3, H, W] for the
+input-space ones), `logits` (FP32 [N, maps]: each map's class logit) and `top5`
+(BYTES [N, 5], "logit:index:label"); none requested: all three. They take no
+parameters (but the REST extension's `binary_data`).
 The same Session, caps and errors as the Attribute RPC.
 """
 
@@ -25,7 +27,6 @@ from ..attribution_spec import (
 )
 from ..errors import InvalidArgument, ModelNotFound
 from . import request as rq
-from .labels import class_labels
 from .tensors import InferAnswer, OutTensor, element_count, pack_bytes, stack, unpack_ints
 
 
@@ -48,6 +49,11 @@ def methods() -> list[str]:
     return [m.label for m in Method]
 
 
+def map_rank(method: Method) -> int:
+    """The rank of one map: [h, w] for the CAM methods, [3, H, W] for the others."""
+    return 2 if method.is_cam else 3
+
+
 def check_method(name: str, method: str) -> Method:
     if method.upper() not in Method.__members__:
         raise ModelNotFound(f"unknown model {name[:100]!r}: an attribution model is "
@@ -67,6 +73,14 @@ def spec_of(call: rq.InferCall, model: str, method: Method) -> AttributionSpec:
     rq.check_params(p, PARAMETERS, " for an attribution")
     num = {k: rq.as_int(p[k], k) for k in ("top_k", "ig_steps", "sg_samples", "sg_seed")
            if k in p}
+    for k in ("top_k", "ig_steps", "sg_samples"):
+        if num.get(k, 1) < 1:
+            raise InvalidArgument(f"request parameter {k}={num[k]}: use 1 or more (or "
+                                  "leave it out for the default)")
+    sigma = _float(p.get("sg_sigma", DEFAULT_SG_SIGMA), "sg_sigma")
+    if not sigma >= 0 or sigma == float("inf"):
+        raise InvalidArgument(f"request parameter sg_sigma={p['sg_sigma']!r}: use a number "
+                              ">= 0 (0, or leave it out, for the default)"[:300])
     flags = {k: rq._bool(p[k], k) for k in ("relu", "normalize", "upsample") if k in p}
     return AttributionSpec(
         model=model, method=method, layer=str(p.get("layer", "")),
@@ -77,7 +91,7 @@ def spec_of(call: rq.InferCall, model: str, method: Method) -> AttributionSpec:
         ig_steps=num.get("ig_steps") or DEFAULT_IG_STEPS,
         ig_baseline=rq._choice(Baseline, p.get("ig_baseline", "zeros"), "ig_baseline"),
         sg_samples=num.get("sg_samples") or DEFAULT_SG_SAMPLES,
-        sg_sigma=_float(p.get("sg_sigma", DEFAULT_SG_SIGMA), "sg_sigma") or DEFAULT_SG_SIGMA,
+        sg_sigma=sigma or DEFAULT_SG_SIGMA,
         sg_seed=num.get("sg_seed", 0))
 
 
@@ -112,7 +126,16 @@ def attribute(inf: Inference, call: rq.InferCall, model: str, method_name: str,
     if bad:
         raise InvalidArgument(f"unknown output {bad[0][:100]!r} of {call.model[:100]}: "
                               f"use {', '.join(OUTPUTS)}")
-    tensor = rq.image_input(call)
+    if len(set(wanted)) != len(wanted):
+        raise InvalidArgument(f"an output of {call.model[:100]} is requested twice: name "
+                              "each once")
+    for o in call.outputs:
+        extra = sorted(set(o.params) - {"binary_data"})
+        if extra:
+            raise InvalidArgument(f"output {o.name!r} of {call.model[:100]} takes no "
+                                  f"parameters (got {extra[0][:100]!r}): the request "
+                                  "parameters set the attribution")
+    tensor = rq.image_input(call, extra=(TARGET,))
     images = rq.images(tensor)
     per_target = targets(call, len(images))
     images = [AttributeInput(i.id, i.encoded, i.raw, i.height, i.width, target=t)
@@ -120,11 +143,13 @@ def attribute(inf: Inference, call: rq.InferCall, model: str, method_name: str,
     results = inf.results(spec, images, stats, on_cancel, deadline, tensor.name)
     outs = [r.outputs[0] for r in results]
     served = inf.engine.get_model(model)
-    labels = served.labels or class_labels(served.arch)
+    labels = served.labels
     answer = []
     for name in wanted:
         if name == "map":
             t = stack("map", outs)
+            if len(t.shape) == 1 + map_rank(method):  # one map an image: still [N, maps, ...]
+                t = OutTensor("map", t.datatype, (t.shape[0], 1, *t.shape[1:]), t.data)
         elif name == "logits":
             k = len(outs[0].targets)
             if any(len(o.targets) != k for o in outs):

@@ -3,11 +3,11 @@ routes served by uvicorn on a thread of the server's own process, over the same
 `Inference` and engine as the gRPC service. No torch; starlette and uvicorn are the
 `http` extra and are imported only when the port is set.
 
-Routes: GET /v2/health/live, /v2/health/ready, /v2, /v2/models/{m}[/versions/{v}],
-.../ready, .../config, .../stats; POST .../infer. Bodies are JSON tensors, or the
-binary-data extension (`Inference-Header-Content-Length`: that many bytes of JSON,
-then each binary input in order, as `binary_data_size` says). BYTES elements in JSON
-are strings, or {"b64": "..."} objects for binary data such as images.
+Routes: GET /v2/health/live, /v2/health/ready, /v2, /v2/models/stats (every model's),
+/v2/models/{m}[/versions/{v}], .../ready, .../config, .../stats; POST .../infer. The
+bodies are rest_body.py's. Triton's routes for what hookserve does not do (the model
+repository, shared memory, trace and log settings) answer 501; any other path 404,
+and a route asked with the wrong method 405, each with an {"error"} body.
 
 The same bearer token as gRPC guards every route but the two health routes; a body
 over --max-message-bytes is refused. An infer whose client disconnects is cancelled:
@@ -18,128 +18,43 @@ REST side of status.py's mapping), with a body {"error": message}.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
-import json
 import socket
 import threading
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from ..errors import ConfigError, HookserveError, InvalidArgument, ResourceExhausted
+from ..errors import ConfigError, HookserveError, ResourceExhausted
 from ..status import as_domain, short_message
 from . import metadata as md
 from .infer import CallCancel
-from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
-from .tensors import InferAnswer, unpack_bytes
+from .rest_body import HEADER_LENGTH, encode_answer, to_call
 
 if TYPE_CHECKING:
     from .servicer import OipServicer
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
 #: HTTP statuses of the domain's codes.
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404,
                "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "INTERNAL": 500,
                "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
-_JSON_DTYPES = {"FP32": "<f4", "FP16": "<f2", "INT64": "<i8", "UINT8": "u1"}
+#: Triton's routes for extensions hookserve does not have (a path under any of these).
+UNSUPPORTED = {"/v2/repository": "the model repository (load, unload, index)",
+               "/v2/systemsharedmemory": "system shared memory",
+               "/v2/cudasharedmemory": "CUDA shared memory",
+               "/v2/trace": "trace settings", "/v2/logging": "log settings"}
+ROUTES = ("GET /v2/health/live, /v2/health/ready, /v2, /v2/models/stats, "
+          "/v2/models/{model}[/versions/{v}][/ready|/config|/stats]; "
+          "POST /v2/models/{model}[/versions/{v}]/infer")
 
 
-def _flat(data) -> list:
-    out: list = []
-    stack = [data]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, list):
-            stack.extend(reversed(x))
-        else:
-            out.append(x)
-    return out
-
-
-def _element(e, name: str) -> bytes:
-    if isinstance(e, str):
-        return e.encode()
-    if isinstance(e, dict) and isinstance(e.get("b64"), str):
-        try:
-            return base64.b64decode(e["b64"], validate=True)
-        except ValueError:
-            raise InvalidArgument(f"{name}: an element's b64 is not valid base64") from None
-    raise InvalidArgument(f"{name}: BYTES elements are strings or {{\"b64\": \"...\"}}")
-
-
-def _json_input(t: dict, name: str):
-    data = _flat(t.get("data", []))
-    if t.get("datatype") == "BYTES":
-        return [_element(e, name) for e in data]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in data):
-        raise InvalidArgument(f"{name}: {t.get('datatype')} data must be integers")
-    if t.get("datatype") == "UINT8" and any(not 0 <= v <= 255 for v in data):
-        raise InvalidArgument(f"{name}: UINT8 data must be 0..255")
-    return data
-
-
-def to_call(model: str, version: str, body: bytes, header_length: str | None
-            ) -> tuple[InferCall, bool]:
-    """A request body as an InferCall, and whether outputs default to binary."""
-    try:
-        n = int(header_length) if header_length is not None else len(body)
-        if not 0 <= n <= len(body):
-            raise ValueError
-        header = json.loads(bytes(body[:n]))
-    except ValueError:
-        raise InvalidArgument(f"the request is not JSON (or {HEADER_LENGTH} is not the "
-                              "JSON part's length)") from None
-    if not isinstance(header, dict):
-        raise InvalidArgument("the request's JSON is not an object")
-    blobs = memoryview(body)[n:]
-    pos = 0
-    inputs = []
-    for i, t in enumerate(header.get("inputs") or []):
-        name = str(t.get("name", ""))[:100] or f"input {i}"
-        size = (t.get("parameters") or {}).get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or pos + size > len(blobs):
-                raise InvalidArgument(f"{name}: binary_data_size {size!r} runs past the body")
-            data, pos = blobs[pos:pos + size], pos + size
-        else:
-            data = _json_input(t, name)
-        shape = t.get("shape") or []
-        if not all(isinstance(d, int) for d in shape):
-            raise InvalidArgument(f"{name}: shape must be integers")
-        inputs.append(InTensor(str(t.get("name", "")), str(t.get("datatype", "")),
-                               tuple(shape), data))
-    params = dict(header.get("parameters") or {})
-    outputs = [OutRequest(str(o.get("name", "")), dict(o.get("parameters") or {}))
-               for o in header.get("outputs") or []]
-    return (InferCall(model, version, str(header.get("id", "")), inputs, outputs,
-                      own_params(params), timeout_of(params)),
-            bool(params.get("binary_data_output")))
-
-
-def _json_data(datatype: str, data: bytes) -> list:
-    if datatype == "BYTES":
-        return [e.decode(errors="replace") for e in unpack_bytes(data, "output")]
-    if datatype == "BF16":
-        bits = np.frombuffer(data, "<u2").astype("<u4") << 16
-        return bits.view("<f4").tolist()
-    return np.frombuffer(data, _JSON_DTYPES[datatype]).tolist()
-
-
-def encode_answer(ans: InferAnswer, binary: dict[str, bool]) -> tuple[bytes, int | None]:
-    """The answer's body, and its JSON part's length when binary outputs follow."""
-    outputs, blobs = [], []
-    for t in ans.outputs:
-        o = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-        if binary.get(t.name):
-            o["parameters"] = {"binary_data_size": len(t.data)}
-            blobs.append(t.data)
-        else:
-            o["data"] = _json_data(t.datatype, t.data)
-        outputs.append(o)
-    head = json.dumps({"model_name": ans.model, "model_version": "1", "id": ans.id,
-                       "outputs": outputs}).encode()
-    return (head + b"".join(blobs), len(head)) if blobs else (head, None)
+def unknown_route(method: str, path: str, allowed: str | None) -> tuple[int, str]:
+    """The status and message for a request no route serves."""
+    if allowed:
+        return 405, f"{method} is not allowed on {path[:200]}: use {allowed}"
+    for prefix, what in UNSUPPORTED.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return 501, (f"hookserve does not support {what}: it serves the models it "
+                         "was started with (--model, --models)")
+    return 404, f"no route {method} {path[:200]}: hookserve's REST routes are {ROUTES}"
 
 
 async def _on_disconnect(receive, cancel: CallCancel) -> None:
@@ -190,13 +105,14 @@ class OipHttp:
         self.max_body_bytes = max_body_bytes
         m = "/v2/models/{model}"
         routes = [Route("/v2/health/live", self._live), Route("/v2/health/ready", self._ready),
-                  Route("/v2", self._server)]
+                  Route("/v2", self._server), Route("/v2/models/stats", self._stats)]
         for base in (m, m + "/versions/{version}"):
             routes += [Route(base, self._model), Route(base + "/ready", self._model_ready),
                        Route(base + "/config", self._model_config),
                        Route(base + "/stats", self._stats),
                        Route(base + "/infer", self._infer, methods=["POST"])]
-        self.app = Starlette(routes=routes)
+        self.app = Starlette(routes=routes, exception_handlers={
+            404: self._no_route, 405: self._no_route})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -292,20 +208,31 @@ class OipHttp:
         return await self._guarded(request, lambda: self._json(_config(
             md.model_metadata(self.oip.engine, self._name(request)))))
 
+    async def _no_route(self, request, exc):
+        allowed = getattr(exc, "headers", None) or {}
+        status, message = unknown_route(request.method, request.url.path,
+                                        allowed.get("Allow") if exc.status_code == 405
+                                        else None)
+        return self._json({"error": message}, status)
+
     async def _stats(self, request):
         def stats():
-            name = self._name(request)
-            c = self.inference.counts.of(name)
+            names = ([self._name(request)] if "model" in request.path_params
+                     else md.model_names(self.oip.engine))
             dur = lambda n, ns: {"count": n, "ns": ns}  # noqa: E731
-            return self._json({"model_stats": [{
-                "name": name, "version": "1", "last_inference": c.last_ms,
-                "inference_count": c.inferences, "execution_count": c.executions,
-                "inference_stats": {"success": dur(c.success, c.success_ns),
-                                    "fail": dur(c.fail, c.fail_ns),
-                                    "queue": dur(c.success, 0),
-                                    "compute_input": dur(c.success, 0),
-                                    "compute_infer": dur(c.success, c.success_ns),
-                                    "compute_output": dur(c.success, 0)}}]})
+            out = []
+            for name in names:
+                c = self.inference.counts.of(name)
+                out.append({
+                    "name": name, "version": "1", "last_inference": c.last_ms,
+                    "inference_count": c.inferences, "execution_count": c.executions,
+                    "inference_stats": {"success": dur(c.success, c.success_ns),
+                                        "fail": dur(c.fail, c.fail_ns),
+                                        "queue": dur(c.success, 0),
+                                        "compute_input": dur(c.success, 0),
+                                        "compute_infer": dur(c.success, c.success_ns),
+                                        "compute_output": dur(c.success, 0)}})
+            return self._json({"model_stats": out})
         return await self._guarded(request, stats)
 
     async def _infer(self, request):
@@ -329,7 +256,7 @@ class OipHttp:
                       for o in call.outputs}
             if not call.outputs:
                 binary = {t.name: binary_default for t in answer.outputs}
-            data, head = encode_answer(answer, binary)
+            data, head = encode_answer(answer, binary, self.inference.answer_limit)
             headers = {HEADER_LENGTH: str(head)} if head is not None else {}
             kind = "application/octet-stream" if head is not None else "application/json"
             return Response(data, headers=headers, media_type=kind)

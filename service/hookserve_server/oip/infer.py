@@ -17,7 +17,6 @@ from ..errors import HookserveError, ModelNotFound, ResourceExhausted
 from ..spec import DType, ExtractionSpec, ImageResult
 from . import request as rq
 from .attribution import attribute, check_method
-from .labels import class_labels
 from .tensors import InferAnswer, OutTensor, pack_bytes, stack
 
 if TYPE_CHECKING:
@@ -102,9 +101,13 @@ class Inference:
 
     def model_names(self, name: str) -> tuple[str, str]:
         """A model name as (served model, attribution method or "")."""
-        base, _, method = name.partition(".")
+        base, dot, method = name.partition(".")
+        if not base:
+            raise ModelNotFound(f"unknown model {name[:100]!r}: name one of "
+                                f"{', '.join(self.engine.models)} (or <model>.<method> "
+                                "for an attribution)")
         self.engine.get_model(base)
-        if method:
+        if dot:
             check_method(name, method)
         return base, method
 
@@ -193,7 +196,7 @@ class Inference:
         for plan in plans:
             per_image = [_output(r, plan.name) for r in results]
             if plan.classification:
-                outputs.append(classify(plan, per_image, m.labels or class_labels(m.arch)))
+                outputs.append(classify(plan, per_image, m.labels))
             else:
                 outputs.append(stack(plan.name, per_image))
         return InferAnswer(call.model, call.id, outputs)
@@ -219,8 +222,8 @@ _UNPACK = {DType.FLOAT32: "f", DType.FLOAT16: "e"}
 
 def classify(plan: rq.OutPlan, per_image: list, labels: tuple[str, ...]) -> OutTensor:
     """The top k values of each image as Triton's "value:index:label" BYTES [N, k]
-    (no label part where the model's classes have no names: `labels`, the model's own
-    or its architecture's ImageNet names, do not count one per value)."""
+    (no label part where the model's classes have no names: `labels`, the served
+    model's class names, do not count one per value)."""
     rows = []
     for o in per_image:
         values = _values(o)

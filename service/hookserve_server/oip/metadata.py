@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..attribution_spec import Method
 from .attribution import OUTPUTS as ATTRIBUTION_OUTPUTS
-from .attribution import TARGET
+from .attribution import TARGET, map_rank
 from .infer import VERSION
 from .request import IMAGE, PIXELS
 from .tensors import DATATYPES
@@ -52,7 +52,8 @@ def model_metadata(engine: Engine, name: str) -> dict:
     base, _, method = name.partition(".")
     m = engine.get_model(base)
     if method:
-        outputs = [{"name": "map", "datatype": "FP32", "shape": [-1, -1, -1, -1]},
+        per_map = [-1, -1] if map_rank(Method[method.upper()]) == 2 else [3, -1, -1]
+        outputs = [{"name": "map", "datatype": "FP32", "shape": [-1, -1, *per_map]},
                    {"name": "logits", "datatype": "FP32", "shape": [-1, -1]},
                    {"name": "top5", "datatype": "BYTES", "shape": [-1, 5]}]
         assert [o["name"] for o in outputs] == list(ATTRIBUTION_OUTPUTS)

@@ -137,19 +137,41 @@ def layer_specs(plans: list[OutPlan]) -> tuple[LayerSpec, ...]:
 
 
 def preprocess(params: dict) -> Preprocess:
+    """The geometry request parameters as a Preprocess, each checked in the protocol's
+    own terms (mode=resize_crop, not the proto's enum name)."""
     what = "request parameter"
     mode = _choice(Mode, params.get("mode", "default"), f"{what} mode")
-    return Preprocess(mode, *(as_int(params.get(k, 0), f"{what} {k}")
-                              for k in GEOMETRY_PARAMETERS[1:]))
+    sizes = {k: as_int(params.get(k, 0), f"{what} {k}") for k in GEOMETRY_PARAMETERS[1:]}
+    for k, v in sizes.items():
+        if v < 0:
+            raise InvalidArgument(f"{what} {k}={v}: use a size in pixels (0, or leave it "
+                                  "out, for none)")
+    given = [f"{k}={v}" for k, v in sizes.items() if v]
+    if given and mode is not Mode.RESIZE_CROP:
+        raise InvalidArgument(f"{what} mode={mode.label} takes no {given[0]}: add "
+                              "mode=resize_crop to resize or crop")
+    if bool(sizes["crop_height"]) != bool(sizes["crop_width"]):
+        raise InvalidArgument(f"{what}s crop_height and crop_width go together (got "
+                              f"{sizes['crop_height']}x{sizes['crop_width']})")
+    if mode is Mode.RESIZE_CROP and not given:
+        raise InvalidArgument(f"{what} mode=resize_crop needs resize, or crop_height and "
+                              "crop_width (mode=native for neither)")
+    return Preprocess(mode, *sizes.values())
 
 
-def image_input(call: InferCall) -> InTensor:
-    """The request's one image input, IMAGE or INPUT__0."""
+def image_input(call: InferCall, extra: tuple[str, ...] = ()) -> InTensor:
+    """The request's one image input, IMAGE or INPUT__0 (inputs named in `extra` are
+    the caller's to read)."""
     images = [t for t in call.inputs if t.name in (IMAGE, PIXELS)]
-    others = [t.name[:100] for t in call.inputs if t.name not in (IMAGE, PIXELS, "TARGET")]
+    others = [t.name[:100] for t in call.inputs if t.name not in (IMAGE, PIXELS, *extra)]
+    if others and others[0] == "TARGET":
+        raise InvalidArgument(f"input TARGET is for attribution models only: send it to "
+                              f"{call.model[:100]}.<method> (grad_cam, ...), or drop it")
     if others:
+        also = "".join(f", and {e}" for e in extra)
         raise InvalidArgument(f"unknown input {others[0]!r}: send {IMAGE} (BYTES [N], "
-                              f"encoded images) or {PIXELS} (UINT8 [N, H, W, 3], pixels)")
+                              f"encoded images) or {PIXELS} (UINT8 [N, H, W, 3], "
+                              f"pixels){also}")
     if len(images) != 1:
         raise InvalidArgument(f"send exactly one image input, {IMAGE} (BYTES [N], encoded "
                               f"images) or {PIXELS} (UINT8 [N, H, W, 3], pixels); "

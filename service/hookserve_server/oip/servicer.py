@@ -196,16 +196,22 @@ class OipServicer:
                 if self.engine.draining:
                     yield _DRAINING
                     return
+                request = None
                 try:
-                    call = to_call(wire.parse(pb.ModelInferRequest, raw,
-                                              f"request message {n}"))
-                    answer = self.inference.infer(call, "ModelStreamInfer", context,
-                                                  cancel.set, _deadline(context),
+                    request = wire.parse(pb.ModelInferRequest, raw, f"request message {n}")
+                    answer = self.inference.infer(to_call(request), "ModelStreamInfer",
+                                                  context, cancel.set, _deadline(context),
                                                   slot=False)
                     yield pb.ModelStreamInferResponse(infer_response=to_response(answer))
                 except HookserveError as exc:
+                    # The request's id and model go with its error, as Triton does, so a
+                    # client with several requests in flight knows which one failed.
                     yield pb.ModelStreamInferResponse(
-                        error_message=short_message(f"[{exc.code}] {exc.message}"))
+                        error_message=short_message(f"[{exc.code}] {exc.message}"),
+                        infer_response=pb.ModelInferResponse(
+                            id=request.id[:200], model_name=request.model_name[:200],
+                            model_version=request.model_version[:20])
+                        if request is not None else None)
                 if self.engine.draining:  # answered what was in flight: end here
                     yield _DRAINING
                     return
