@@ -143,6 +143,7 @@ def test_timeout_bounds_every_call(server, silent_address, tmp_path):
     for argv in (["describe"], ["models"], ["health"]):
         r = hs(*argv, "--server", silent_address, "--timeout", "0.5")
         assert r.returncode == 1 and "DEADLINE_EXCEEDED" in r.stderr, (argv, r.stderr)
+        assert "allow more time (the CLI's --timeout" in r.stderr
     for argv in (["extract", str(img), "--layers", "layer4"],
                  ["attribute", str(img), "--out", str(tmp_path / "m")],
                  ["describe", "vgg11", "--size", "640"]):

@@ -28,7 +28,7 @@ from .attribution import (
 from .endpoints import Endpoints
 from .extraction import Extraction, ImageCall
 from .retry import FIRST_BACKOFF, RETRIES
-from .types import ModelInfo, Size, build_spec
+from .types import EXTRACT_OPTIONS, ModelInfo, Size, build_spec
 from .v1 import hookserve_pb2 as pb
 from .wire import varint
 
@@ -197,6 +197,12 @@ class ClientBase:
                     options: dict[str, Any]) -> ImageCall | None:
         """One image's ExtractImage call; None once a server answered that it has no
         such RPC (it predates it: the one-image calls use a stream from then on)."""
+        unknown = sorted(set(options) - set(EXTRACT_OPTIONS))
+        if unknown:
+            hint = (" (the client's timeout bounds it: Client(timeout=...), or "
+                    "extract_many(..., timeout=...))" if unknown[0] == "timeout" else "")
+            raise TypeError(f"extract() got an unexpected keyword argument {unknown[0]!r}: "
+                            f"its options are {', '.join(EXTRACT_OPTIONS)}{hint}")
         if not self._image_rpc:
             return None
         return ImageCall(self._endpoints, build_spec(layers, model, **options), image,

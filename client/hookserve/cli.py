@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -76,6 +77,12 @@ def _extract(args) -> int:
               "NAME.npz (for .h5, .parquet or a folder of .npy files, use hookserve "
               "batch)", file=sys.stderr)
         return 2
+    if args.out:
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            print(f"error: --out {args.out}: cannot write into {folder} (missing or "
+                  "read-only): create it, or name a file elsewhere", file=sys.stderr)
+            return 2
     layers = [x for s in args.layers for x in s.split(",") if x]
     # One key prefix per input: its path as given, made unique if given twice.
     keys = unique_names([[p] for p in args.images],
@@ -97,9 +104,15 @@ def _extract(args) -> int:
                 print(f"{r.id}  {layer}  {arr.dtype}  {tuple(arr.shape)}")
     if args.out:
         tmp = f"{args.out}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as fh:  # a file object: the name is kept as given (.NPZ)
-            np.savez(fh, **out)
-        os.replace(tmp, args.out)     # readers see the old file or the whole new one
+        try:
+            with open(tmp, "wb") as fh:  # a file object: the name is kept as given (.NPZ)
+                np.savez(fh, **out)
+            os.replace(tmp, args.out)     # readers see the old file or the whole new one
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise OSError(f"--out {args.out}: cannot write it: {exc.strerror or exc}"
+                          ) from None
         print(f"wrote {len(out)} arrays to {args.out}")
     return 1 if failed else 0
 
@@ -192,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; the exit status: 0 done, 1 a call or an image failed, 2 the
-    command could not run (bad arguments), 141 stdout was closed early."""
+    command could not run (bad arguments), 130 interrupted (Ctrl-C), 141 stdout was
+    closed early."""
     from .errors import HookserveError
 
     try:
@@ -207,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the status a shell gives for SIGINT
+        from .batch.errors import EXIT_INTERRUPTED
+
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as a program that SIGPIPE ends.
         # What is still buffered for stdout goes nowhere, so exiting raises nothing more.

@@ -94,13 +94,21 @@ def make_client(args: argparse.Namespace, addresses: list[str] | None = None, **
     to :class:`hookserve.Client` (retries, max_in_flight...)."""
     from .client import Client
 
-    token = None
-    if getattr(args, "token_file", None):
-        with open(args.token_file) as fh:
-            token = fh.read().strip()
-    return Client(addresses or servers_of(args), timeout=args.timeout or None, token=token,
-                  root_certificates=args.ca, certificate_chain=args.cert,
-                  private_key=args.key, **kw)
+    def read(flag: str, path: str | None) -> bytes | None:
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise OSError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
+
+    token = read("--token-file", getattr(args, "token_file", None))
+    return Client(addresses or servers_of(args), timeout=args.timeout or None,
+                  token=token.decode().strip() if token is not None else None,
+                  root_certificates=read("--ca", args.ca),
+                  certificate_chain=read("--cert", args.cert),
+                  private_key=read("--key", args.key), **kw)
 
 
 def weights_text(m: Any) -> str:

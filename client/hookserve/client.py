@@ -85,7 +85,13 @@ class Client(ClientBase):
             raw = self._health_check()(health_request(service), timeout=self.timeout,
                                        metadata=self._endpoints.metadata)
         except grpc.RpcError as exc:
-            raise errors.from_rpc_error(exc) from None
+            err = errors.from_rpc_error(exc)
+            if isinstance(err, errors.NotFound) and not err.message:
+                err = errors.NotFound(
+                    f"the server keeps no health status for service {service[:100]!r}: "
+                    "ask for '' (the whole server) or 'hookserve.v1.FeatureExtractor'",
+                    err.code)
+            raise err from None
         return health_status(raw)
 
     # -- one image ---------------------------------------------------------------------

@@ -56,6 +56,7 @@ def parse_targets(target: str | Sequence[str]) -> tuple[list[str], bool]:
         s = t.startswith("grpcs://")
         if t.startswith(("grpcs://", "grpc://")):
             t = t.split("://", 1)[1]
+        check_address(t)
         if secure is not None and s != secure:
             raise ValueError("mix of grpcs:// and plain targets")
         secure = s
@@ -63,6 +64,28 @@ def parse_targets(target: str | Sequence[str]) -> tuple[list[str], bool]:
     if not addrs:
         raise ValueError("no target given")
     return addrs, bool(secure)
+
+
+#: gRPC's own target forms (name resolvers), passed on as given.
+RESOLVERS = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+
+
+def check_address(t: str) -> None:
+    """A plain address is host:port (ValueError saying what to write, where gRPC would
+    take a bare host as port 443 or fail on a scheme with an unclear message)."""
+    if t.startswith(RESOLVERS):
+        return
+    use = "use host:port, or grpcs://host:port for TLS"
+    if "://" in t:
+        raise ValueError(f"address {t[:200]!r}: {use} (hookserve speaks gRPC, not "
+                         f"{t.split('://', 1)[0][:20]})")
+    host, colon, port = t.rpartition(":")
+    if not colon or not host or (host.count(":") and not host.endswith("]")):
+        raise ValueError(f"address {t[:200]!r} has no port: {use} (hookserve serves on "
+                         "port 50051 unless told otherwise)")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {t[:200]!r}: port {port[:20]!r} is not a number from "
+                         f"1 to 65535: {use}")
 
 
 def _read(v: bytes | str | os.PathLike | None) -> bytes | None:

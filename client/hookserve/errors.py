@@ -94,7 +94,15 @@ def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
                 retry = int(value) / 1000.0
             except ValueError:
                 pass
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and details in ("", "Deadline Exceeded"):
+        details = CLIENT_DEADLINE  # gRPC's own words: the client's deadline, not the server's
     return error_for(code, details or "", retry_after_s=retry)
+
+
+#: What a call that ran past the client's own timeout says.
+CLIENT_DEADLINE = ("no answer within the client's timeout: allow more time (the CLI's "
+                   "--timeout, 0 for no limit; Client(timeout=...) in the SDK), or send "
+                   "less work per call")
 
 
 def from_status(status) -> HookserveError:

@@ -203,6 +203,13 @@ def build_layers(layers: str | Layer | Sequence[str | Layer] | Mapping[str, Any]
     out: list[Layer] = []
     if isinstance(layers, Mapping):
         for name, opts in layers.items():
+            if opts is not None and not isinstance(opts, Mapping):
+                raise TypeError(f"layer {name!r}: its options are a dict, e.g. "
+                                f"{{'reduction': 'avg'}}, not {type(opts).__name__}")
+            unknown = sorted(set(opts or {}) - set(defaults))
+            if unknown:
+                raise TypeError(f"layer {name!r}: unknown option {unknown[0]!r}: use "
+                                f"{', '.join(defaults)}")
             out.append(Layer(name, **{**defaults, **(opts or {})}))
     else:
         for item in layers:
@@ -271,6 +278,10 @@ def describe_request(model: str | None, size: Size | None) -> pb.DescribeModelRe
     default input size)."""
     h, w = parse_size(size) if size is not None else (0, 0)
     return pb.DescribeModelRequest(model=model or "", input_height=h, input_width=w)
+
+
+#: The keyword options of one extraction (Client.extract, extract_many's spec).
+EXTRACT_OPTIONS = ("reduction", "dtype", "l2_normalize", "native", "resize", "crop")
 
 
 def build_spec(layers: Any, model: str | None, *, reduction: str = "none",

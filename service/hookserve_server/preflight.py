@@ -236,6 +236,9 @@ def check_ranges(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {port} is not a port: use 0 to "
                               "65535 (0 picks a free one)")
     check_cache(args)
+    if args.warm and args.compile != "auto":
+        raise ConfigError(f"--warm {args.warm[0]} compiles at start-up, and --compile is "
+                          f"{args.compile}: add --compile auto, or drop --warm")
     if args.chunk_bytes > MAX_SEND_MESSAGE_BYTES - (64 << 10):
         raise ConfigError(f"--chunk-bytes must leave room under the "
                           f"{MAX_SEND_MESSAGE_BYTES >> 20} MiB send limit (and stay under "

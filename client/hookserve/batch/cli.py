@@ -170,8 +170,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         timeout_help="seconds for every call: each unary call's deadline; "
                         "an Extract stream with images outstanding is cancelled and its "
                         "images sent again after this long without an answer; each read "
-                        "of an http(s) input; S3's connect and read timeouts "
-                        "(default: %(default)s)")
+                        "of an http(s) input; S3's connect and read timeouts")
     p.error = _one_line_error(p.prog)
     p.set_defaults(func=run)
     return p

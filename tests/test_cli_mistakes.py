@@ -1,0 +1,116 @@
+"""Mistakes a new user makes with the CLI and the SDK: each gets one line saying what
+to change and the right exit status, never a traceback. The commands run as real
+subprocesses; the servers are real (or a listener that never answers)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import hookserve
+
+from conftest import encode, rand_image
+from helpers import hs
+
+
+@pytest.fixture
+def img(tmp_path):
+    p = tmp_path / "a.png"
+    p.write_bytes(encode(rand_image(40, 40)))
+    return p
+
+
+@pytest.mark.parametrize("address, words", [
+    ("localhost", "has no port: use host:port"),
+    ("http://localhost:50051", "hookserve speaks gRPC, not http"),
+    ("localhost:abc", "port 'abc' is not a number from 1 to 65535"),
+    ("localhost:70000", "port '70000' is not a number from 1 to 65535"),
+])
+def test_an_address_that_is_not_host_port_is_refused(address, words):
+    r = hs("models", "--server", address)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(ValueError, match=words.split(":")[0]):
+        hookserve.Client(address)
+
+
+def test_ctrl_c_during_a_call_is_one_line_and_130(img):
+    """SIGINT once the command is connected and waiting for its answer."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    connected = threading.Event()
+    held = []
+
+    def accept():
+        conn, _ = listener.accept()   # the client is in its call now; never answer it
+        held.append(conn)
+        connected.set()
+    threading.Thread(target=accept, daemon=True).start()
+    p = subprocess.Popen([sys.executable, "-m", "hookserve.cli", "extract", str(img),
+                          "--layers", "layer4", "--timeout", "0", "--server",
+                          f"127.0.0.1:{listener.getsockname()[1]}"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert connected.wait(60)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        for c in held:
+            c.close()
+        listener.close()
+    assert (p.returncode, err) == (130, "interrupted\n")
+
+
+def test_extract_out_into_a_missing_folder_is_refused_before_any_call(img, tmp_path,
+                                                                     silent_address):
+    out = tmp_path / "no" / "such" / "f.npz"
+    r = hs("extract", str(img), "--layers", "layer4", "--out", str(out),
+           "--server", silent_address, "--timeout", "30")
+    assert r.returncode == 2 and f"--out {out}: cannot write into" in r.stderr
+
+
+def test_unreadable_client_files_name_their_flag(tmp_path):
+    for flag in ("--token-file", "--ca"):
+        r = hs("models", flag, str(tmp_path / "missing.pem"))
+        assert r.returncode == 2 and f"cannot read {flag} " in r.stderr, r.stderr
+
+
+def test_the_clients_own_deadline_says_to_allow_more_time(silent_address):
+    r = hs("models", "--server", silent_address, "--timeout", "0.3")
+    assert r.returncode == 1 and "no answer within the client's timeout" in r.stderr
+    assert "--timeout" in r.stderr
+
+
+def test_health_of_an_unknown_service_says_which_exist(server):
+    r = hs("health", "--service", "nope", "--server", server.address)
+    assert r.returncode == 1
+    assert "no health status for service 'nope'" in r.stderr and "hookserve.v1" in r.stderr
+
+
+def test_warm_without_compile_is_refused_at_start_up():
+    r = hs("serve", "--model", "resnet18", "--weights", "random", "--port", "0",
+           "--warm", "resnet18=layer9")
+    assert r.returncode == 2 and "add --compile auto, or drop --warm" in r.stderr
+
+
+def test_sdk_option_typos_name_the_options(server, img):
+    with hookserve.Client(server.address, timeout=60) as c:
+        with pytest.raises(TypeError, match="'reduce': its options are reduction, dtype"):
+            c.extract(img.read_bytes(), ["layer1"], reduce="avg")
+        with pytest.raises(TypeError, match="Client\\(timeout=...\\)"):
+            c.extract(img.read_bytes(), ["layer1"], timeout=3)
+        with pytest.raises(TypeError, match="layer 'layer1': unknown option 'reductoin'"):
+            c.extract(img.read_bytes(), {"layer1": {"reductoin": "avg"}})
+        with pytest.raises(TypeError, match="its options are a dict"):
+            c.extract(img.read_bytes(), {"layer1": "avg"})
+
+
+def test_batch_help_gives_the_timeout_default_once():
+    out = " ".join(hs("batch", "--help").stdout.split())
+    assert "(default: 60.0); 0: no limit" not in out and "no limit (default: 60.0)" in out
