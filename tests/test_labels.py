@@ -114,3 +114,12 @@ def test_imagenet_weights_carry_torchvisions_category_names(make_server, monkeyp
     assert m.labels == tuple(want) and m.num_classes == 1000
     assert a.label == want[a.target]
     assert np.all([label == want[i] for i, label, _ in a.top5])
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
+    """Labels files saved by Windows tools start with a UTF-8 byte-order mark."""
+    from hookserve_server.labels import read_labels
+
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\n".join(NAMES).encode("utf-8-sig"))
+    assert read_labels(path) == tuple(NAMES)

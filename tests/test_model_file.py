@@ -112,13 +112,20 @@ def test_a_model_file_serves_three_models_with_their_own_digests(tmp_path):
     ('[[model]]\narchitecture = "resnet18"\n[model.preprocessing]\nstd = [1, 0, 1]\n',
      "std must be three finite numbers"),
     ('[[model]]\narchitecture = "resnet18"\nprecision = "fp64"\n',
-     "resnet18=fp64: 'fp64' is not a precision"),
+     "model 1: precision 'fp64': use one of fp32, bf16, fp16"),
     ('[[model]]\narchitecture = "resnet18"\nweights = "random"\nprecision = "fp16"\n',
      "fp16 for resnet18: fp16 runs on CUDA devices only"),
     ('[[model]]\narchitecture = "googlenet"\ntransform_input = "yes"\n',
      "transform_input 'yes': use true or false"),
     ('[[model]]\narchitecture = "resnet18"\nweights = "random"\ntransform_input = true\n',
      "resnet18: transform_input applies to googlenet and inception_v3 only"),
+    ('model = ["resnet18"]\n', "model 1 is 'resnet18', not a table"),
+    ('[[model]]\narchitecture = "resnet18"\n[model.preprocessing]\ninterpolation = "lanczos"\n',
+     "preprocessing.interpolation 'lanczos': use one of bilinear, bicubic, nearest"),
+    ('[[model]]\narchitecture = "resnet18"\nname = "r"\nprecision = "fp8"\n',
+     "model r: precision 'fp8': use one of fp32, bf16, fp16"),
+    ('[[model]]\narchitecture = "resnet18"\nname = "r"\nweights = "random"\ndevice = "gpu"\n',
+     "model r: invalid device 'gpu'"),
     ('[[model]\n', "is not valid TOML"),
     ('', "declares no model"),
 ])
@@ -127,3 +134,20 @@ def test_model_file_mistakes_are_one_line_before_loading(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as err:
         RunningServer(["--models", str(tmp_path / "models.toml")], start=False)
     assert "\n" not in str(err.value)
+
+
+def test_the_model_files_precisions_are_the_servers():
+    from hookserve_server.model_file import PRECISIONS
+    from hookserve_server.precision import Precision
+    assert PRECISIONS == tuple(p.value for p in Precision)
+
+
+def test_an_input_size_the_architecture_refuses_names_the_model_and_key(tmp_path):
+    """vit takes its training size only: torchvision asserts it (an AssertionError)."""
+    (tmp_path / "models.toml").write_text(
+        '[[model]]\narchitecture = "vit_b_32"\nname = "v"\nweights = "random"\n'
+        '[model.preprocessing]\ncrop = 256\n')
+    with pytest.raises(ConfigError, match="model v: input size 256x256 "
+                       "\\(preprocessing.crop\\): input 256x256 is too small or invalid "
+                       "for v: Wrong image height! Expected 224 but got 256!"):
+        RunningServer(["--models", str(tmp_path / "models.toml")], start=False)

@@ -125,3 +125,29 @@ def test_features_equal_torchvision_tensor_recipe_bit_for_bit(client, make_serve
     with torch.inference_mode():
         pil = fe(xp[None])["conv1"][0].numpy()
     assert 0 < np.abs(pil - want["conv1"]).max() < 0.5
+
+
+def test_a_bicubic_model_is_resized_bicubically(make_server):
+    """efficientnet_b0's weights resize with bicubic interpolation: the features equal
+    its own transforms() recipe bit for bit, and differ from a bilinear resize."""
+    from torchvision.models import EfficientNet_B0_Weights
+    from torchvision.transforms import InterpolationMode
+
+    data = encode(rand_image(150, 210, seed=9))
+    layers = ["features.0"]
+    s = make_server(*small_server("--memory-format", "contiguous",
+                                  models=("efficientnet_b0",)))
+    with s.client(timeout=120) as c:
+        assert c.list_models()[0].interpolation == "bicubic"
+        got = c.extract(data, layers)["features.0"]
+    model, _ = build_model("efficientnet_b0", "random", 0)
+    fe = feature_extractor(model.eval(), layers)
+    pixels = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    recipe = EfficientNet_B0_Weights.IMAGENET1K_V1.transforms()
+    assert recipe.interpolation is InterpolationMode.BICUBIC
+    with torch.inference_mode():
+        want = fe(recipe(pixels)[None])["features.0"][0].numpy()
+        recipe.interpolation = InterpolationMode.BILINEAR
+        bilinear = fe(recipe(pixels)[None])["features.0"][0].numpy()
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(bilinear - want).max() > 1e-2

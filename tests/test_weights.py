@@ -99,6 +99,9 @@ SAVE_HINT = r"torch\.save\(model\.state_dict\(\), PATH\)"
     ("module", "holds a pickled torchvision.models.resnet.ResNet \\(a whole model, saved "
                f"with torch.save\\(model\\)\\), not a state_dict.*{SAVE_HINT}"),
     ("checkpoint", f"holds a dict with keys 'epoch', 'net', not a state_dict.*{SAVE_HINT}"),
+    ("empty", f"holds an empty dict, not a state_dict.*{SAVE_HINT}"),
+    ("torchscript", "is a TorchScript archive \\(torch.jit.save: a program\\), not a "
+                    f"state_dict: .*{SAVE_HINT}"),
 ])
 def test_bad_weights_file_is_a_clear_startup_error(tmp_path, content, match):
     path = tmp_path / "w.pth"
@@ -110,6 +113,10 @@ def test_bad_weights_file_is_a_clear_startup_error(tmp_path, content, match):
         torch.save(torchvision.models.resnet18(), path)
     elif content == "checkpoint":  # a state_dict under a key no training script uses
         torch.save({"epoch": 3, "net": torchvision.models.resnet18().state_dict()}, path)
+    elif content == "empty":
+        torch.save({}, path)
+    elif content == "torchscript":
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
     with pytest.raises(ConfigError, match=match) as err:
         build_model("resnet18", str(path))
     # one line, no terminal colour codes, and never torch's advice to unpickle code

@@ -126,6 +126,8 @@ class ModelInfo:
     default_cam_layer: str = ""
     #: "fp32", "bf16" or "fp16": the arithmetic of its forward pass (autocast)
     precision: str = "fp32"
+    #: The default preprocessing's resize interpolation: "bilinear", "bicubic", ...
+    interpolation: str = "bilinear"
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -138,7 +140,7 @@ class ModelInfo:
             resize=p.resize, crop=(p.crop_height, p.crop_width),
             mean=tuple(p.mean), std=tuple(p.std), num_classes=m.num_classes,
             labels=tuple(m.labels), default_cam_layer=m.default_cam_layer,
-            precision=m.precision or "fp32")
+            precision=m.precision or "fp32", interpolation=p.interpolation or "bilinear")
 
 
 def _layout(value: int) -> str:

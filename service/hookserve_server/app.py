@@ -23,7 +23,7 @@ from .cache.local import LocalCache
 from .cache.shared import SharedCache
 from .engine import Engine, EngineConfig
 from .engine.config import CompileSettings, parse_warm
-from .errors import ConfigError
+from .errors import ConfigError, HookserveError
 from .labels import model_labels
 from .logs import LOUD
 from .memory_format import channels_last
@@ -83,6 +83,14 @@ def check(args: argparse.Namespace, pre: Checked | None = None):
     return pre.names, weights, device, options
 
 
+def _device_of(e) -> torch.device:
+    """A model file entry's own device (ConfigError naming the model)."""
+    try:
+        return resolve_device(e.device)
+    except ConfigError as exc:
+        raise ConfigError(f"model {e.name}: {exc}") from None
+
+
 def build(args: argparse.Namespace, pre: Checked | None = None):
     """Models, engine and (unstarted) server from parsed flags (`pre`: their
     `preflight`, when already done)."""
@@ -91,7 +99,7 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     precisions = precision.per_model(names, [  # a model file's entry wins over the flag
         *(args.precision or []), *(f"{e.name}={e.precision}" for e in pre.entries
                                    if e.precision)])
-    devices = {e.name: resolve_device(e.device) if e.device else device for e in pre.entries}
+    devices = {e.name: _device_of(e) if e.device else device for e in pre.entries}
     for e in pre.entries:  # every model's precision before any model loads
         precision.check(precisions[e.name], devices[e.name], e.dtype or args.dtype, e.name)
     if args.threads:
@@ -103,9 +111,14 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
         module, info = build_model(e.arch, weights[name], args.seed, e.transform_input)
         labels = model_labels(name, e.arch, info.source, info.num_classes, e.labels)
         cl = channels_last(args.memory_format, args.channels_last, e.arch, dev)
-        models.append(ServedModel(name, e.arch, module, info, dev, dtype, cl, labels,
-                                  e.preprocessing_over(defaults_for(e.arch)),
-                                  precisions[name]))
+        defaults = e.preprocessing_over(defaults_for(e.arch))
+        try:
+            models.append(ServedModel(name, e.arch, module, info, dev, dtype, cl, labels,
+                                      defaults, precisions[name]))
+        except HookserveError as exc:  # its input size does not fit the architecture
+            where = " (preprocessing.crop)" if e.crop else ""
+            raise ConfigError(f"model {name}: input size {defaults.crop[0]}x"
+                              f"{defaults.crop[1]}{where}: {exc.message}") from None
         log.info("loaded %s (%s) on %s (%s weights %s, %s)", name, e.arch, dev, info.source,
                  info.name, info.digest[:19])
     telemetry = None

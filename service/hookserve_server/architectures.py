@@ -90,13 +90,16 @@ def without_aux_heads(arch: str, sd: dict[str, torch.Tensor]) -> dict[str, torch
     return {k: v for k, v in sd.items() if not k.startswith(prefixes)} if prefixes else sd
 
 
-def timm_transforms(arch: str) -> tuple[int, tuple[int, int], tuple, tuple]:
-    """(resize, crop, mean, std) of a timm model's data config (its eval transforms:
-    resize to crop / crop_pct, then centre crop)."""
+def timm_transforms(arch: str) -> tuple[int, tuple[int, int], tuple, tuple, str]:
+    """(resize, crop, mean, std, interpolation) of a timm model's data config (its eval
+    transforms: resize to crop / crop_pct, then centre crop; bilinear where the config
+    names a mode torchvision's resize lacks)."""
     cfg = _timm().data.resolve_model_data_config(build_meta(arch))
     h, w = (int(s) for s in cfg["input_size"][1:])
+    mode = str(cfg.get("interpolation", "bilinear"))
     return (int(math.floor(min(h, w) / cfg.get("crop_pct", 0.875))), (h, w),
-            tuple(float(x) for x in cfg["mean"]), tuple(float(x) for x in cfg["std"]))
+            tuple(float(x) for x in cfg["mean"]), tuple(float(x) for x in cfg["std"]),
+            mode if mode in ("bilinear", "bicubic", "nearest") else "bilinear")
 
 
 def build_meta(arch: str, num_classes: int | None = None, left_out: tuple[str, ...] = (),

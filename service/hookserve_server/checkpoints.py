@@ -61,6 +61,10 @@ def _load_error(path: Path, exc: Exception) -> str:
             what += " (a whole model, saved with torch.save(model))"
         return (f"weights file {path} holds {what}, not a state_dict (a dict of tensors): "
                 f"hookserve runs no code from a weights file; {SAVE_HINT}")
+    if "TorchScript" in text:
+        return (f"weights file {path} is a TorchScript archive (torch.jit.save: a "
+                f"program), not a state_dict: hookserve runs no code from a weights "
+                f"file; {SAVE_HINT}")
     if not zipfile.is_zipfile(path):
         reason = "it is not a file torch.save writes"
     elif found := re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S):
@@ -102,7 +106,8 @@ def normalise(obj: object, path: Path, keys: Collection[str] = ()
                 obj = obj[key]
                 break
     if not _is_tensor_dict(obj):
-        held = (f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"
+        held = ("an empty dict" if obj == {} else
+                f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"
                 if isinstance(obj, dict) else f"a {type(obj).__name__}")
         raise ConfigError(f"weights file {path} holds {held}, not a state_dict (a dict of "
                           f"tensors); {SAVE_HINT}")

@@ -41,7 +41,7 @@ def labels_per_model(models: list[str], specs: Iterable[str]) -> dict[str, Path]
 def read_labels(path: Path) -> tuple[str, ...]:
     """One class name a line, in class-index order; trailing blank lines ignored."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is no name)
     except (OSError, UnicodeDecodeError) as exc:
         why = getattr(exc, "strerror", None) or str(exc)
         raise ConfigError(f"cannot read --labels file {path}: {why}") from None

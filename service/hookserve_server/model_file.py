@@ -17,6 +17,7 @@
     crop = 224                      # or [height, width]
     mean = [0.485, 0.456, 0.406]
     std = [0.229, 0.224, 0.225]
+    interpolation = "bilinear"      # of the resize: bilinear | bicubic | nearest
 
 The first model is the server's default. Two names may serve one architecture with
 different weights. Read with the standard library's ``tomllib``, before torch loads;
@@ -37,7 +38,10 @@ from .errors import ConfigError
 DTYPES = ("float32", "float16", "bfloat16")
 KEYS = {"name", "architecture", "weights", "labels", "dtype", "device", "precision",
         "transform_input", "preprocessing"}
-PREPROCESSING_KEYS = {"resize", "crop", "mean", "std"}
+PREPROCESSING_KEYS = {"resize", "crop", "mean", "std", "interpolation"}
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+#: precision.Precision's values (read here before torch loads)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,13 @@ class ModelEntry:
     #: googlenet and inception_v3: whether the model re-normalises its input (None: as
     #: torchvision builds it for the weights, architectures.TRANSFORM_INPUT)
     transform_input: bool | None = None
-    #: Preprocessing overrides: resize, crop (h, w), mean, std (None: the weights').
+    #: Preprocessing overrides: resize, crop (h, w), mean, std, the resize's
+    #: interpolation (None: the weights').
     resize: int | None = None
     crop: tuple[int, int] | None = None
     mean: tuple[float, float, float] | None = None
     std: tuple[float, float, float] | None = None
+    interpolation: str | None = None
 
     def preprocessing_over(self, defaults):
         """The weights' default preprocessing (a `models.Defaults`) with this entry's
@@ -94,6 +100,11 @@ def read_model_file(path: Path) -> list[ModelEntry]:
     if not isinstance(tables, list) or not tables:
         raise ConfigError(f"--models {path} declares no model: add a [[model]] table with "
                           "at least an architecture")
+    for i, t in enumerate(tables):
+        if not isinstance(t, dict):
+            raise ConfigError(f"--models {path}: model {i + 1} is {t!r}, not a table: "
+                              "declare each model as [[model]] with architecture = "
+                              "\"...\" under it"[:400])
     entries = [_entry(t, i, path) for i, t in enumerate(tables)]
     names = [e.name for e in entries]
     for n in names:
@@ -124,6 +135,8 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
         raise ConfigError(f"{where}: dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     device = _string(t["device"], "device", where) if "device" in t else None
     prec = _string(t["precision"], "precision", where) if "precision" in t else None
+    if prec is not None and prec.lower() not in PRECISIONS:
+        raise ConfigError(f"{where}: precision {prec!r}: use one of {', '.join(PRECISIONS)}")
     transform = t.get("transform_input")
     if transform is not None and not isinstance(transform, bool):
         raise ConfigError(f"{where}: transform_input {transform!r}: use true or false")
@@ -135,7 +148,15 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
                       resize=_side(pre["resize"], "resize", where) if "resize" in pre else None,
                       crop=_crop(pre["crop"], where) if "crop" in pre else None,
                       mean=_triple(pre["mean"], "mean", where) if "mean" in pre else None,
-                      std=_triple(pre["std"], "std", where) if "std" in pre else None)
+                      std=_triple(pre["std"], "std", where) if "std" in pre else None,
+                      interpolation=_interpolation(pre.get("interpolation"), where))
+
+
+def _interpolation(value: Any, where: str) -> str | None:
+    if value is not None and value not in INTERPOLATIONS:
+        raise ConfigError(f"{where}: preprocessing.interpolation {value!r}: use one of "
+                          f"{', '.join(INTERPOLATIONS)}")
+    return value
 
 
 def _string(value: Any, key: str, where: str) -> str:

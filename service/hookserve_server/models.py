@@ -92,10 +92,9 @@ def default_weights_enum(arch: str):
 
 def defaults_for(arch: str) -> Defaults:
     """The standard transforms of the architecture's default torchvision weights (a
-    timm model's: its data config; hookserve resizes bilinearly)."""
+    timm model's: its data config), their resize interpolation included."""
     if is_timm(arch):
-        resize, crop, mean, std = timm_transforms(arch)
-        return Defaults(resize, crop, mean, std)
+        return Defaults(*timm_transforms(arch))
     tf = default_weights_enum(arch).transforms()
     crop = int(tf.crop_size[0])
     return Defaults(

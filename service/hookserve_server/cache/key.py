@@ -33,8 +33,9 @@ from ..models import ServedModel
 from ..preprocess.geometry import geometry_params
 from ..spec import ImageInput, LayerSpec, Preprocess
 
-#: Bumped whenever the layout below or the encoded value changes.
-FORMAT = b"hookserve-cache-v3"
+#: Bumped whenever the layout below, the encoded value or an answer for the same key
+#: changes (v4: models whose weights resize bicubically are now resized so).
+FORMAT = b"hookserve-cache-v4"
 
 #: The code that decodes, preprocesses and computes: another version may answer
 #: differently.

@@ -189,10 +189,10 @@ class LayerTables:
             x = torch.empty(1, 3, height, width, device="meta", dtype=self.dtype)
             with torch.inference_mode():
                 self._meta(x)
-        except RuntimeError as exc:
+        except (RuntimeError, AssertionError) as exc:  # (torchvision asserts vit's size)
             raise InvalidArgument(
-                f"input {height}x{width} is too small or invalid for {self.model_name}: {exc}"
-            ) from None
+                f"input {height}x{width} is too small or invalid for {self.model_name}: "
+                f"{str(exc).strip()[:300]}") from None
         finally:
             for h in handles:
                 h.remove()

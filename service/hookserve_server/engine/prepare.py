@@ -154,9 +154,10 @@ class Preparer:
             raise InvalidArgument(f"the image decoded to {size[0]}x{size[1]} pixels but its "
                                   f"header says {h}x{w}: the file is inconsistent")
         if on_device is None:
-            pixels = apply_geometry(arr, spec.preprocess, d.resize, d.crop)
+            pixels = apply_geometry(arr, spec.preprocess, d.resize, d.crop, d.interpolation)
         else:
-            pixels = geometry_on_tensor(on_device, spec.preprocess, d.resize, d.crop)
+            pixels = geometry_on_tensor(on_device, spec.preprocess, d.resize, d.crop,
+                                        d.interpolation)
         return WorkItem(m, pixels, spec.job, plan.activation_bytes, call, fut,
                         target=spec.job.target_of(image))
 

@@ -103,22 +103,32 @@ def _resized(h: int, w: int, size: int) -> tuple[int, int]:
     return (new_long, new_short) if w <= h else (new_short, new_long)
 
 
+def interpolation_mode(name: str) -> InterpolationMode:
+    """A model's resize interpolation ("bilinear", "bicubic": its weights'
+    `transforms()`, or a timm data config) as torchvision's enum."""
+    return InterpolationMode(name)
+
+
 def apply_geometry(arr: np.ndarray, pre: Preprocess, default_resize: int,
-                   default_crop: tuple[int, int]) -> torch.Tensor:
-    """HxWx3 uint8 array -> contiguous 3xHxW uint8 tensor after resize and crop."""
+                   default_crop: tuple[int, int], interpolation: str = "bilinear"
+                   ) -> torch.Tensor:
+    """HxWx3 uint8 array -> contiguous 3xHxW uint8 tensor after resize (antialiased,
+    with the model's `interpolation`, as its `transforms()` resizes) and crop."""
     if not arr.flags.writeable:  # raw pixels wrap the request's bytes
         arr = arr.copy()
     t = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
     resize, crop = geometry_params(pre, default_resize, default_crop)
     if resize:
-        t = F.resize(t, [resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
+        t = F.resize(t, [resize], interpolation=interpolation_mode(interpolation),
+                     antialias=True)
     if crop:
         t = F.center_crop(t, list(crop))
     return t.contiguous()
 
 
 def geometry_on_tensor(t: torch.Tensor, pre: Preprocess, default_resize: int,
-                       default_crop: tuple[int, int]) -> torch.Tensor:
+                       default_crop: tuple[int, int], interpolation: str = "bilinear"
+                       ) -> torch.Tensor:
     """`apply_geometry` for a 3xHxW uint8 tensor already on its device (--gpu-decode).
 
     Resizes in float32 and rounds back (antialiased uint8 resize is CPU-only in
@@ -126,7 +136,7 @@ def geometry_on_tensor(t: torch.Tensor, pre: Preprocess, default_resize: int,
     """
     resize, crop = geometry_params(pre, default_resize, default_crop)
     if resize:
-        t = F.resize(t.float(), [resize], interpolation=InterpolationMode.BILINEAR,
+        t = F.resize(t.float(), [resize], interpolation=interpolation_mode(interpolation),
                      antialias=True).round_().clamp_(0, 255).to(torch.uint8)
     if crop:
         t = F.center_crop(t, list(crop))
