@@ -32,6 +32,7 @@ def test_timm_model_serves_with_its_own_transforms(make_server, tmp_path):
     assert m.weights_digest == state_dict_digest(tuned.state_dict())
     assert m.crop == tuple(cfg["input_size"][1:])
     np.testing.assert_allclose(m.mean, cfg["mean"], rtol=1e-6)
+    assert m.interpolation == cfg["interpolation"]
     assert m.default_cam_layer == "layer4" and d.layer("layer3").layout == "CHW"
     x = torch.from_numpy(img.copy()).permute(2, 0, 1)[None].float() / 255
     x = (x - torch.tensor(m.mean).view(1, 3, 1, 1)) / torch.tensor(m.std).view(1, 3, 1, 1)
