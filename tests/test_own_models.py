@@ -5,6 +5,7 @@ checkpoint in this process.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import subprocess
@@ -107,13 +108,22 @@ def _wrapped(sd: dict, how: str):
                                            "loss_fn.weight": torch.ones(CLASSES)}}
     if how == "stacked":   # torch.compile inside DataParallel, nested
         return {"model": {f"module._orig_mod.{k}": v for k, v in sd.items()}}
+    if how == "torchvision references":  # references/classification/train.py's
+        model = torchvision.models.resnet18(num_classes=CLASSES)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=30)
+        return {"model": sd, "optimizer": opt.state_dict(),
+                "lr_scheduler": sched.state_dict(), "epoch": 89,
+                "args": argparse.Namespace(model="resnet18", lr=0.1, data_path="/data",
+                                           epochs=90, label_smoothing=0.0, resume="")}
     if how == "old torch":   # before batch norm counted its steps
         return {k: v for k, v in sd.items() if not k.endswith("num_batches_tracked")}
     return {f"_orig_mod.{k}": v for k, v in sd.items()}  # torch.compile
 
 
 @pytest.mark.parametrize("how", ["state_dict+module", "model", "model_state_dict",
-                                 "compiled", "lightning", "stacked", "old torch"])
+                                 "compiled", "lightning", "stacked", "old torch",
+                                 "torchvision references"])
 def test_nested_and_prefixed_checkpoints_load(tmp_path, how, caplog):
     ref = fine_tuned("resnet18", seed=4)
     path = tmp_path / "ckpt.pth"

@@ -4,7 +4,9 @@ file, normalised, its classifier head's size read off, and checked against the m
 - ``.safetensors`` is read with the ``safetensors`` package (never unpickled);
   anything else with ``torch.load(weights_only=True)``.
 - A training checkpoint that nests the state_dict (``{"state_dict": ...}``,
-  ``{"model": ...}``, ``{"model_state_dict": ...}``) is unwrapped. Keys under a prefix
+  ``{"model": ...}``, ``{"model_state_dict": ...}``) is unwrapped, torchvision's
+  reference scripts' (``{"model", "optimizer", "lr_scheduler", "epoch", "args"}``, the
+  args an ``argparse.Namespace``) included. Keys under a prefix
   are found by the architecture's own key names (`under_prefix`): ``module.``
   ((Distributed)DataParallel), ``_orig_mod.`` (``torch.compile``), a Lightning
   module's attribute (``model.``, ``net.``), or several of these; keys outside that
@@ -22,6 +24,7 @@ file, normalised, its classifier head's size read off, and checked against the m
 
 from __future__ import annotations
 
+import argparse
 import collections
 import logging
 import re
@@ -40,6 +43,9 @@ log = logging.getLogger(__name__)
 #: How to write a file hookserve loads, ending every weights-file error.
 SAVE_HINT = "save the weights alone with torch.save(model.state_dict(), PATH)"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: Classes a checkpoint may hold beside its tensors that unpickle as plain data, no
+#: code run: torchvision's reference training scripts save their argparse arguments.
+SAFE_GLOBALS = [argparse.Namespace]
 #: Keys under which training scripts nest the state_dict, tried in this order.
 NESTED_KEYS = ("state_dict", "model_state_dict", "model")
 #: The buffer batch norm counts its training steps in, which a file may lack.
@@ -157,7 +163,8 @@ def read_state_dict(path: Path, arch: str, keys: Collection[str] = ()
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
             warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ConfigError(_load_error(path, exc)) from None
     return normalise(obj, path, keys)
