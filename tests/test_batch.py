@@ -428,3 +428,37 @@ def test_size_limit_errors_are_final_not_retried(images, make_server, tmp_path, 
     assert "retried " not in summary
     rows = open(out + ".errors.csv").read().splitlines()
     assert len(rows) == 4 and all("RESOURCE_EXHAUSTED" in r for r in rows[1:])
+
+
+def test_an_h5_output_stays_locked_while_it_is_consolidated(tmp_path):
+    """A second run that opens the output while the first copies its parts into one
+    file is refused as locked (the lock lies beside out.h5, outside the parts folder
+    the consolidation removes), so none of its rows can be deleted with that folder."""
+    from hookserve.batch.sinks import make_sink
+    from hookserve.batch.sinks.base import OutputError
+
+    out = str(tmp_path / "o.h5")
+    meta = {"model": "m"}
+    recs = [Record(f"p{i}", "ab" * 32, i, i, {"a": np.full(3, i, np.float32)})
+            for i in range(4)]
+    first = make_sink(out, meta)
+    first.open()
+    for r in recs:
+        first.add(r)
+    tried = []
+    consolidate = first._consolidate
+
+    def while_consolidating():
+        second = make_sink(out, meta)
+        with pytest.raises(OutputError, match="is locked"):
+            second.open()
+        tried.append(True)
+        consolidate()
+    first._consolidate = while_consolidating
+    first.close(complete=True)
+    assert tried and not os.path.exists(out + ".parts")
+    with h5py.File(out, "r") as f:
+        assert [p.decode() for p in f["paths"][:]] == [r.path for r in recs]
+    again = make_sink(out, meta)   # the lock is free once the first run is done
+    again.open()
+    again.close(complete=True)

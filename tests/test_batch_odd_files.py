@@ -173,3 +173,31 @@ def test_name_encoding_is_reversible_and_utf8(raw):
         assert enc == name  # valid names are their own ids
     except UnicodeDecodeError:
         assert decode_name(enc) == raw
+
+
+def test_a_name_like_another_inputs_temporary_file_loses_nothing(server, tmp_path):
+    """`.tmp-y.png` and `y.png` in one folder, written to a folder of .npy files: each
+    keeps its own features (the temporary file of one is never the other's name)."""
+    root = tmp_path / "in"
+    root.mkdir()
+    (root / "y.png").write_bytes(_png(20))
+    (root / ".tmp-y.png").write_bytes(_png(21))
+    out = tmp_path / "out"
+    p = _run(server, str(root), "--out", str(out))
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    import numpy as np
+    a, b = (np.load(out / "fc" / (str(root / n).lstrip("/") + ".npy"))
+            for n in ("y.png", ".tmp-y.png"))
+    assert a.shape == b.shape == (1000,) and not np.array_equal(a, b)
+    assert sorted(os.listdir(out / "fc" / str(root).lstrip("/"))) == [".tmp-y.png.npy",
+                                                                      "y.png.npy"]
+
+
+def test_a_changed_file_with_an_odd_name_is_reported_under_its_id(tmp_path):
+    raw = os.path.join(os.fsencode(tmp_path), BAD_UTF8)
+    with open(raw, "wb") as fh:
+        fh.write(_png(22))
+    path = os.fsdecode(raw)
+    st = os.stat(raw)
+    _, failures, _ = plan([path], {encode_name(path): (st.st_size + 1, st.st_mtime_ns, "")})
+    assert [(f[0], f[1]) for f in failures] == [(encode_name(path), "FAILED_PRECONDITION")]

@@ -207,3 +207,85 @@ def test_a_finished_shard_drops_what_an_earlier_try_left(det_server, tmp_path):
     (m,) = markers(str(out)).values()
     assert m["rows"] == len(IMAGES) and all(os.path.getsize(out / f) == size
                                             for f, size in m["files"].items())
+
+
+class _Listed:
+    """A listed input whose files a test adds and removes: a local folder, a list of
+    its paths, or a prefix on fsspec's memory:// store (whose listing gives sizes)."""
+
+    def __init__(self, source: str, tmp_path) -> None:
+        import fsspec
+        self.source = source
+        self.fs = fsspec.filesystem("memory") if source == "memory" else None
+        self.root = f"memory://imgs-{tmp_path.name}" if self.fs else str(tmp_path / "imgs")
+        if not self.fs:
+            os.makedirs(self.root)
+        self.list = tmp_path / "list.txt"
+
+    @property
+    def input(self) -> str:
+        return str(self.list) if self.source == "list" else self.root
+
+    def put(self, name: str, data: bytes) -> None:
+        if self.fs:
+            self.fs.pipe(f"{self.root}/{name}", data)
+        else:
+            with open(os.path.join(self.root, name), "wb") as fh:
+                fh.write(data)
+        self._write_list()
+
+    def remove(self, name: str) -> None:
+        (self.fs.rm if self.fs else os.unlink)(f"{self.root}/{name}")
+        self._write_list()
+
+    def ids(self) -> list[str]:
+        names = (sorted(p.rsplit("/", 1)[1] for p in self.fs.ls(self.root, detail=False))
+                 if self.fs else sorted(os.listdir(self.root)))
+        return [f"{self.root}/{n}" for n in names]
+
+    def _write_list(self) -> None:
+        if not self.fs:
+            self.list.write_text("".join(f"{p}\n" for p in self.ids()))
+
+
+@pytest.mark.parametrize("source", ["folder", "list", "memory"])
+def test_a_listing_shard_whose_files_changed_is_done_again(det_server, tmp_path, capsys,
+                                                           source):
+    """Files added to or removed from a listed input (or resized, where the listing
+    gives sizes: object stores) join or leave their hash shard: that shard's marker no
+    longer holds and the shard is redone, a shard left with no file loses its rows, and
+    the others stay skipped; the output has the rows of the input as it is now."""
+    src = _Listed(source, tmp_path)
+    for i in range(8):
+        src.put(f"{i:02d}.png", encode(rand_image(32, 32, seed=60 + i)))
+    out = tmp_path / "o.parquet"
+
+    def run() -> str:
+        capsys.readouterr()
+        assert run_batch(det_server, [src.input], out, "--sharded", "--listing-shards",
+                         "4") == 0
+        err = capsys.readouterr().err
+        ids, _ = read_out(str(out))
+        assert sorted(ids) == src.ids(), err
+        return err
+
+    run()
+    before = markers(str(out))
+    src.put("08.png", encode(rand_image(32, 32, seed=68)))  # added
+    src.remove("00.png")                                    # removed
+    err = run()
+    assert "its files changed since it was done" in err, err
+    after = markers(str(out))
+    redone = [k for k, m in after.items() if before.get(k) != m]  # (or new)
+    assert redone and f"skipped {len(after) - len(redone)}," in err, err
+    if source == "memory":   # a file rewritten with another size: its shard again
+        src.put("03.png", encode(rand_image(40, 40, seed=99)))
+        err = run()
+        assert "its files changed since it was done" in err, err
+        assert f"skipped {len(after) - 1}," in err, err
+    for name in src.ids()[1:]:   # all but one file gone: shards emptied
+        src.remove(name.rsplit("/", 1)[1])
+    err = run()
+    assert "no file of the input is in it any more; its rows are removed" in err, err
+    assert len(markers(str(out))) == 1
+    assert "skipped 1," in run()

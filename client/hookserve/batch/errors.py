@@ -61,3 +61,9 @@ class ErrorsFile:
         self._fh.close()
         if self.count == 0:
             os.unlink(self.path)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's first line, as the run reports it."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

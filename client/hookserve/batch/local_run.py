@@ -69,7 +69,7 @@ def plan(paths: list[str], done: dict, cap: Cap | None = None
             if (prev[0], prev[1]) == (st.st_size, st.st_mtime_ns):
                 skipped += 1
             else:
-                failures.append((p, "FAILED_PRECONDITION",
+                failures.append((name, "FAILED_PRECONDITION",
                                  "file changed since its features were written (size or "
                                  "mtime differ); its old row is kept: write to a new --out "
                                  "to extract it again"))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from .. import errors, wire
 from ..retry import RETRY_STREAM, RetryPolicy
 from .defaults import DEFAULTS, LOCAL_ONLY
-from .errors import Abort
+from .errors import Abort, one_line
 from .intake import Intake
 from .limits import ByteBudget, Cap, LastRequest, check_flags
 from .readers import entries
@@ -45,12 +45,6 @@ def output_meta(meta: dict, args) -> dict:
     meta["sharding"] = {"listing_shards": args.listing_shards, "shard_bytes": args.shard_bytes,
                         "image_column": args.image_column, "id_column": args.id_column}
     return meta
-
-
-def one_line(exc: BaseException) -> str:
-    """An error's first line, as the run reports it."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def open_output(out: str, meta: dict, opts: dict) -> ShardOutput:

@@ -3,9 +3,10 @@
 A shard's rows are built into one part locally and published whole (rename, or one
 upload), then its errors file, then, **only when every input of the shard is accounted
 for**, its done marker ``_done-<sid>.json``, which records the part's files and sizes
-(:meth:`ShardOutput.publish`). A marker is trusted only when it parses, names its
-shard, and every file it records is there with its recorded size
-(:meth:`ShardOutput.done`); otherwise it is deleted and the shard done again.
+(:meth:`ShardOutput.publish`), and, for a listing shard, a digest of its input files
+(`Shard.members`). A marker is trusted only when it parses, names its shard, records
+the files the shard has now, and every file it records is there with its recorded
+size (:meth:`ShardOutput.done`); otherwise it is deleted and the shard done again.
 
 Two layouts, by the extension of ``--out``: a Parquet dataset (``part-<sid>.parquet``
 per shard), or an **npy stack** folder: per shard a folder ``<sid>/`` with
@@ -113,6 +114,24 @@ class ShardOutput:
                 self.notes.append(f"shard {shard.key}: {why}; it is done again")
         return ok
 
+    def retire(self, shards: list[Shard]) -> None:
+        """Remove the part, errors file and marker of listing shards that have no file
+        any more (`shard_plan.vanished`), where an earlier run wrote them; noted in
+        :attr:`notes`."""
+        files = self.files()
+        for shard in shards:
+            sid = shard.sid
+            names = [n for n in (f"part-{sid}.parquet", f"_errors-{sid}.csv",
+                                 f"_done-{sid}.json") if n in files]
+            if self.fmt == NPY_STACK and any(n.startswith(f"{sid}/") for n in files):
+                names.insert(0, sid)
+            if not names:
+                continue
+            for name in names:   # the marker last: a kill leaves a shard to retire again
+                self.loc.delete(name)
+            self.notes.append(f"shard {shard.key}: no file of the input is in it any more; "
+                              "its rows are removed")
+
     def forget(self, shard: Shard) -> None:
         """Delete the shard's marker (an invalid one, before the shard is redone)."""
         if f"_done-{shard.sid}.json" in self.files():
@@ -156,6 +175,8 @@ class ShardOutput:
         marker = {"shard": shard.key, "part": part, "files": written, "rows": len(rows),
                   "failed": len(fails), "errors": f"_errors-{sid}.csv" if fails else None,
                   "hookserve_version": __version__}
+        if shard.members is not None:
+            marker["members"] = shard.members
         self.loc.put_text(f"_done-{sid}.json", json.dumps(marker, sort_keys=True) + "\n")
         return result
 
@@ -188,6 +209,9 @@ def _invalid_marker(text: bytes | None, shard: Shard, files: dict[str, int],
         return "its done marker is unreadable"
     if marker.get("shard") != shard.key:
         return "its done marker names another shard"
+    if shard.members is not None and marker.get("members") != shard.members:
+        return ("its files changed since it was done (added, removed or resized)"
+                if "members" in marker else "its done marker does not record its files")
     recorded = marker.get("files")
     if recorded is None and marker.get("rows"):  # a marker that records no sizes
         part = marker.get("part") or ""

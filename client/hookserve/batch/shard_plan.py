@@ -13,7 +13,9 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
   ``--id-column``, or are ``<file>#<row>`` (the row number within the file).
 - any other folder, prefix, glob or file is listed once, and its image files are cut
   into ``--listing-shards`` shards by a hash of each file's name (key
-  ``<input>#<b>/<B>``), so adding files never moves an existing one to another shard.
+  ``<input>#<b>/<B>``), so adding files never moves an existing one to another shard;
+  the shards a file joins or leaves (or whose file changes size) are done again
+  (:attr:`Shard.members`).
   Their ids are their paths or URLs (a local name that is not valid UTF-8 is encoded
   as :func:`~.inputs.encode_name` says). A file named by several inputs is listed once.
 
@@ -25,6 +27,7 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
 from __future__ import annotations
 
 import glob as _glob
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -51,6 +54,19 @@ class Shard:
     def sid(self) -> str:
         """16 hex digits naming this shard's output part and marker."""
         return name_digest(self.key).hex()
+
+    @property
+    def members(self) -> str | None:
+        """A listing shard's files and their listed sizes, as a digest its done marker
+        records: a file added, removed or resized since makes the marker stale. None
+        for a tar or Parquet shard (its file names it)."""
+        if self.kind != "files":
+            return None
+        h = hashlib.sha256()
+        for name, size in sorted(zip(map(encode_name, self.files),
+                                     self.sizes or (-1,) * len(self.files), strict=True)):
+            h.update(f"{name}\t{size}\n".encode())
+        return h.hexdigest()
 
 
 def select(shards: list[Shard], shard: tuple[int, int] | None) -> list[Shard]:
@@ -146,6 +162,23 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
                 shards[key] = Shard(key, "files", spec, files=tuple(members),
                                     sizes=tuple(files[f] for f in members))
     return [shards[k] for k in sorted(shards)]
+
+
+def vanished(specs: list[str], shards: list[Shard], listing_shards: int) -> list[Shard]:
+    """The listing shards these inputs could have and have no file in now (every file
+    that hashed to them was removed): their rows, if an earlier run wrote any, are no
+    longer the input's. Tar and Parquet inputs have no listing shards."""
+    planned = {s.key for s in shards}
+    out = []
+    for spec0 in specs:
+        for spec in expand_braces(spec0):
+            if is_tar(spec) and not _glob.has_magic(spec):
+                continue
+            for b in range(listing_shards):
+                key = f"{encode_name(spec)}#{b}/{listing_shards}"
+                if key not in planned:
+                    out.append(Shard(key, "files", spec))
+    return out
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,

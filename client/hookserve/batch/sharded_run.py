@@ -35,11 +35,12 @@ from .errors import (
     EXIT_OK,
     EXIT_SOME_FAILED,
     Abort,
+    one_line,
 )
 from .inputs import InputError, parse_shard
 from .intake import Interrupted
 from .limits import ByteBudget, check_flags
-from .one_shard import extract_shard, one_line, open_output, output_meta, read_opts
+from .one_shard import extract_shard, open_output, output_meta, read_opts
 from .remote import (
     MissingExtra,
     expand_braces,
@@ -50,7 +51,7 @@ from .remote import (
     set_store_timeout,
 )
 from .shard_output import ShardOutput, ShardResult
-from .shard_plan import Shard, ShardError, plan_shards, select
+from .shard_plan import Shard, ShardError, plan_shards, select, vanished
 from .sinks.base import OutputError
 from .spec import connect, describe_and_check, parse_layers
 from .streamcall import Watchdog
@@ -132,6 +133,7 @@ def run_sharded(args: argparse.Namespace) -> int:
         output = open_output(args.out, output_meta(meta, args), opts)
         try:
             done = output.done(mine)
+            output.retire(select(vanished(args.inputs, shards, args.listing_shards), part))
         except Exception as exc:  # noqa: BLE001 - the output store failed
             raise Abort(f"cannot read the output {args.out}: {one_line(exc)}") from None
         for note in output.notes:

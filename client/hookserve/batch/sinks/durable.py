@@ -17,7 +17,9 @@ rename) and the journal is deleted. On start (resume), the parts already there s
 which images are done, and a journal without its part is replayed into that part. A
 part is never rewritten, so a checkpoint costs the new images only, whatever the
 output's size. An output folder is held under an exclusive lock (:class:`Lock`) while
-a run writes it.
+a run writes it, until the run has closed it (HDF5's consolidation included: its lock
+file, ``.<out>.lock``, lies beside the output, since consolidation removes the parts
+folder).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import zlib
 
 import numpy as np
 
+from ..errors import one_line
 from .base import OutputError, Record, Sink, check_meta
 
 #: Buffered feature bytes that force a checkpoint, whatever --checkpoint says.
@@ -64,15 +67,19 @@ def write_json_atomic(path: str, obj) -> None:
     replace(tmp, path)
 
 
+def check_meta_file(meta_path: str, meta: dict) -> str:
+    """An existing metadata file must match this run's settings. -> its path."""
+    if os.path.exists(meta_path):
+        with open(meta_path, encoding="utf-8") as fh:
+            check_meta(json.load(fh), meta, meta_path)
+    return meta_path
+
+
 def lock_and_check(folder: str, meta_name: str, meta: dict):
     """Lock an output folder; an existing metadata file must match this run's settings.
     -> (lock, metadata path)."""
     lock = Lock(os.path.join(folder, ".lock"))
-    meta_path = os.path.join(folder, meta_name)
-    if os.path.exists(meta_path):
-        with open(meta_path, encoding="utf-8") as fh:
-            check_meta(json.load(fh), meta, meta_path)
-    return lock, meta_path
+    return lock, check_meta_file(os.path.join(folder, meta_name), meta)
 
 
 class Lock:
@@ -145,9 +152,13 @@ _JOURNAL = re.compile(r"^\.journal-(\d{6,})\.bin$")
 class PartSink(Sink):
     ext = ""
 
-    def __init__(self, out: str, meta: dict, parts_dir: str, **kw) -> None:
+    def __init__(self, out: str, meta: dict, parts_dir: str, lock_path: str | None = None,
+                 **kw) -> None:
         super().__init__(out, meta, **kw)
         self.dir = parts_dir
+        #: the exclusive lock's file (in the parts folder unless a subclass removes that
+        #: folder while it works, as HDF5's consolidation does)
+        self.lock_path = lock_path or os.path.join(parts_dir, ".lock")
         self.parts: list[tuple[str, int]] = []  # (file name, rows), in order
         self.buffer: list[Record] = []
         self.buffer_bytes = 0
@@ -168,9 +179,15 @@ class PartSink(Sink):
     def _published(self) -> None:
         """Called after the set of parts changed (HDF5 rewrites its virtual file)."""
 
+    def take_lock(self) -> None:
+        """Hold the output's lock (OutputError when another run holds it)."""
+        if self.lock is None:
+            self.lock = Lock(self.lock_path)
+
     def open(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
-        self.lock, meta_path = lock_and_check(self.dir, "_hookserve.json", self.meta)
+        self.take_lock()
+        meta_path = check_meta_file(os.path.join(self.dir, "_hookserve.json"), self.meta)
         names = sorted(os.listdir(self.dir))
         for name in names:
             if name.startswith(".tmp-"):  # a part or master that never got renamed
@@ -179,7 +196,13 @@ class PartSink(Sink):
             m = _PART.match(name)
             if not m or m.group(2) != self.ext:
                 continue
-            meta, rows, shapes = self._read_part(os.path.join(self.dir, name))
+            try:
+                meta, rows, shapes = self._read_part(os.path.join(self.dir, name))
+            except Exception as exc:  # noqa: BLE001 - a part cut or overwritten by hand
+                raise OutputError(
+                    f"{os.path.join(self.dir, name)} cannot be read ({one_line(exc)}): "
+                    "move it away (its images are then extracted again) or choose "
+                    "another --out") from None
             check_meta(meta, self.meta, os.path.join(self.dir, name))
             self._adopt_shapes(shapes, name)
             for p, size, mtime, sha in rows:
@@ -250,7 +273,14 @@ class PartSink(Sink):
         replace(tmp, os.path.join(self.dir, name))
         self.parts.append((name, len(recs)))
 
+    def _finished(self, complete: bool) -> None:
+        """Called at close, after the last checkpoint, with the lock still held."""
+
     def close(self, complete: bool) -> None:
-        self.checkpoint(force=True)
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            self.checkpoint(force=True)
+            self._finished(complete)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None

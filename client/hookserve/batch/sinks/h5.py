@@ -26,12 +26,17 @@ class H5Sink(PartSink):
     ext = "h5"
 
     def __init__(self, out: str, meta: dict, *, consolidate: bool = True, **kw) -> None:
-        super().__init__(out, meta, out + ".parts", **kw)
+        # The lock lives beside out.h5: consolidation removes the parts folder, and the
+        # lock must outlast it (a second run waits until the folder is gone).
+        folder, name = os.path.split(os.path.abspath(out))
+        super().__init__(out, meta, out + ".parts",
+                         lock_path=os.path.join(folder, f".{name}.lock"), **kw)
         self.h5py = need("h5py", "HDF5")
         self.consolidate = consolidate
 
     def open(self) -> None:
         h5py = self.h5py
+        self.take_lock()  # before a finished file's parts folder is made again
         if os.path.exists(self.out):
             try:
                 with h5py.File(self.out, "r") as f:
@@ -139,8 +144,7 @@ class H5Sink(PartSink):
                     self._layer_attrs(ds, name)
         replace(tmp, self.out)
 
-    def close(self, complete: bool) -> None:
-        super().close(complete)
+    def _finished(self, complete: bool) -> None:
         if complete and self.consolidate:
             self._consolidate()
 

@@ -58,8 +58,11 @@ class NpySink(Sink):
             rel = f"{layer}/{name}.npy"
             final = os.path.join(self.out, rel)
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            tmp = os.path.join(os.path.dirname(final), f".tmp-{os.path.basename(final)}")
-            np.save(tmp, arr, allow_pickle=False)
+            # Every final name ends in .npy and no temporary name does: an input named
+            # like another's temporary file cannot be overwritten by it.
+            tmp = f"{final}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as fh:
+                np.save(fh, arr, allow_pickle=False)
             os.replace(tmp, final)
             files[layer] = rel
         line = json.dumps({"path": rec.path, "sha256": rec.sha256, "size": rec.size,
