@@ -289,3 +289,79 @@ def test_a_listing_shard_whose_files_changed_is_done_again(det_server, tmp_path,
     assert "no file of the input is in it any more; its rows are removed" in err, err
     assert len(markers(str(out))) == 1
     assert "skipped 1," in run()
+
+
+def test_an_input_that_lists_nothing_keeps_its_rows(det_server, tmp_path, capsys):
+    """An emptied folder among the inputs (an unmounted mount point, say) is more
+    likely a mistake than a deletion: its rows stay, and the run says so."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for k, folder in enumerate((a, b)):
+        folder.mkdir()
+        for i in range(3):
+            (folder / f"{i}.png").write_bytes(encode(rand_image(32, 32, seed=80 + 3 * k + i)))
+    out = tmp_path / "o.parquet"
+    flags = ("--sharded", "--listing-shards", "2")
+    assert run_batch(det_server, [str(a), str(b)], out, *flags) == 0
+    want = sorted(read_out(str(out))[0])
+    for p in b.iterdir():
+        p.unlink()
+    capsys.readouterr()
+    assert run_batch(det_server, [str(a), str(b)], out, *flags) == 0
+    err = capsys.readouterr().err
+    assert f"{b} lists no file now; the rows an earlier run wrote for it, if any, are " \
+           "kept" in err and "rows are removed" not in err, err
+    assert sorted(read_out(str(out))[0]) == want
+
+
+
+def test_a_marker_written_before_markers_recorded_files_is_checked_by_its_counts(
+        det_server, tmp_path, capsys):
+    """An output of an earlier version: its markers hold no digest of the files. They
+    are trusted while their row and error counts still add up to the shard's files."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"{i}.png").write_bytes(encode(rand_image(32, 32, seed=95 + i)))
+    out = tmp_path / "o.parquet"
+    flags = ("--sharded", "--listing-shards", "1")
+    assert run_batch(det_server, [str(folder)], out, *flags) == 0
+    (marker,) = [out / n for n in os.listdir(out) if n.startswith("_done-")]
+    old = {k: v for k, v in json.loads(marker.read_text()).items() if k != "members"}
+    marker.write_text(json.dumps(old))
+    capsys.readouterr()
+    assert run_batch(det_server, [str(folder)], out, *flags) == 0
+    assert "skipped 1," in capsys.readouterr().err
+    marker.write_text(json.dumps(old))
+    (folder / "4.png").write_bytes(encode(rand_image(32, 32, seed=99)))
+    assert run_batch(det_server, [str(folder)], out, *flags) == 0
+    assert "its files changed since it was done" in capsys.readouterr().err
+    assert len(read_out(str(out))[0]) == 5
+
+
+def test_a_worker_whose_listing_shards_all_emptied_still_removes_their_rows(
+        det_server, tmp_path, capsys):
+    from hookserve.batch.inputs import encode_name, shard_of
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    paths = [folder / f"{i:02d}.png" for i in range(10)]
+    for i, p in enumerate(paths):
+        p.write_bytes(encode(rand_image(32, 32, seed=110 + i)))
+    bucket = {p: shard_of(encode_name(str(p)), 2) for p in paths}
+    assert set(bucket.values()) == {0, 1}
+    keys = [f"{encode_name(str(folder))}#{b}/2" for b in (0, 1)]
+    n = next(n for n in range(2, 50) if shard_of(keys[0], n) != shard_of(keys[1], n))
+    owner = [shard_of(k, n) for k in keys]
+    out = tmp_path / "o.parquet"
+
+    def worker(i: int) -> int:
+        return run_batch(det_server, [str(folder)], out, "--sharded", "--listing-shards",
+                         "2", "--shard", f"{i}/{n}")
+    assert worker(owner[0]) == worker(owner[1]) == 0
+    for p in paths:
+        if bucket[p] == 0:
+            p.unlink()
+    capsys.readouterr()
+    assert worker(owner[0]) == 0
+    assert "its rows are removed" in capsys.readouterr().err
+    assert sorted(read_out(str(out))[0]) == sorted(str(p) for p in folder.iterdir())

@@ -4,6 +4,7 @@ subprocesses; the servers are real (or a listener that never answers)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -30,12 +31,22 @@ def img(tmp_path):
     ("http://localhost:50051", "hookserve speaks gRPC, not http"),
     ("localhost:abc", "port 'abc' is not a number from 1 to 65535"),
     ("localhost:70000", "port '70000' is not a number from 1 to 65535"),
+    ("::1:50051", "put an IPv6 address in brackets, as in [::1]:50051"),
 ])
 def test_an_address_that_is_not_host_port_is_refused(address, words):
     r = hs("models", "--server", address)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
-    with pytest.raises(ValueError, match=words.split(":")[0]):
+    with pytest.raises(ValueError, match=re.escape(words.split(":")[0])):
         hookserve.Client(address)
+
+
+def test_addresses_grpc_takes_stay_accepted():
+    from hookserve.endpoints import parse_targets
+    for given, want in [("grpcs://example.com", (["example.com"], True)),   # TLS's 443
+                        (" host:1 , [::1]:2", (["host:1", "[::1]:2"], False)),
+                        ("dns:///svc:50051", (["dns:///svc:50051"], False)),
+                        ("unix:/tmp/hs.sock", (["unix:/tmp/hs.sock"], False))]:
+        assert parse_targets(given) == want
 
 
 def test_ctrl_c_during_a_call_is_one_line_and_130(img):
@@ -79,6 +90,9 @@ def test_unreadable_client_files_name_their_flag(tmp_path):
     for flag in ("--token-file", "--ca"):
         r = hs("models", flag, str(tmp_path / "missing.pem"))
         assert r.returncode == 2 and f"cannot read {flag} " in r.stderr, r.stderr
+    (tmp_path / "token").write_bytes(b"\xff\xfe binary")
+    r = hs("models", "--token-file", str(tmp_path / "token"))
+    assert r.returncode == 2 and "--token-file" in r.stderr and "is not text" in r.stderr
 
 
 def test_the_clients_own_deadline_says_to_allow_more_time(silent_address):

@@ -128,6 +128,11 @@ def test_the_server_goes_on_after_bad_bodies(srv):
     assert status == 200 and answer["outputs"][0]["shape"] == [1, 512]
 
 
+def test_json_nested_too_deeply_is_a_400(srv):
+    status, answer = infer(srv, b"[" * 200_000)
+    assert status == 400 and "nested too deeply" in answer["error"]
+
+
 def test_binary_bytes_no_input_accounts_for_are_refused(srv):
     head = json.dumps({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
                                    "parameters": {"binary_data_size": len(IMG) + 4}}]})
@@ -201,6 +206,19 @@ def test_a_json_answer_is_held_to_the_limit_as_json(make_server):
     status, answer = infer(s, with_good(outputs=[{"name": "layer4", "parameters": {
         "reduction": "avg"}}]))
     assert status == 200 and len(answer["outputs"][0]["data"]) == 512
+
+
+def test_binary_and_json_outputs_share_the_answer_limit(make_server):
+    """layer4 unreduced as JSON (up to 652 KB) fits 700 KB alone, and so does another
+    100 KB layer in binary, but not both together."""
+    s = make_server(*small_server("--http-port", "0", "--max-stream-buffer-bytes",
+                                  "700000"))
+    as_json = {"name": "layer4"}
+    binary = {"name": "layer4.1.conv2", "parameters": {"binary_data": True}}
+    assert infer(s, with_good(outputs=[as_json]))[0] == 200
+    assert infer(s, with_good(outputs=[binary]))[0] == 200
+    status, answer = infer(s, with_good(outputs=[as_json, binary]))
+    assert status == 429 and "with JSON outputs could take 752640 bytes" in answer["error"]
 
 
 def test_a_failed_stream_request_keeps_its_id(srv):

@@ -104,8 +104,12 @@ def make_client(args: argparse.Namespace, addresses: list[str] | None = None, **
             raise OSError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
 
     token = read("--token-file", getattr(args, "token_file", None))
-    return Client(addresses or servers_of(args), timeout=args.timeout or None,
-                  token=token.decode().strip() if token is not None else None,
+    try:
+        text = token.decode().strip() if token is not None else None
+    except UnicodeDecodeError:
+        raise ValueError(f"--token-file {args.token_file} is not text (UTF-8): it holds "
+                         "the token alone") from None
+    return Client(addresses or servers_of(args), timeout=args.timeout or None, token=text,
                   root_certificates=read("--ca", args.ca),
                   certificate_chain=read("--cert", args.cert),
                   private_key=read("--key", args.key), **kw)

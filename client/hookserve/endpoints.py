@@ -53,10 +53,11 @@ def parse_targets(target: str | Sequence[str]) -> tuple[list[str], bool]:
     secure = None
     addrs = []
     for t in items:
+        t = t.strip()
         s = t.startswith("grpcs://")
         if t.startswith(("grpcs://", "grpc://")):
             t = t.split("://", 1)[1]
-        check_address(t)
+        check_address(t, tls=s)
         if secure is not None and s != secure:
             raise ValueError("mix of grpcs:// and plain targets")
         secure = s
@@ -70,9 +71,10 @@ def parse_targets(target: str | Sequence[str]) -> tuple[list[str], bool]:
 RESOLVERS = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
 
 
-def check_address(t: str) -> None:
+def check_address(t: str, tls: bool = False) -> None:
     """A plain address is host:port (ValueError saying what to write, where gRPC would
-    take a bare host as port 443 or fail on a scheme with an unclear message)."""
+    take a bare host as port 443 or fail on a scheme with an unclear message); with
+    grpcs:// a bare host is port 443, TLS's own."""
     if t.startswith(RESOLVERS):
         return
     use = "use host:port, or grpcs://host:port for TLS"
@@ -80,10 +82,17 @@ def check_address(t: str) -> None:
         raise ValueError(f"address {t[:200]!r}: {use} (hookserve speaks gRPC, not "
                          f"{t.split('://', 1)[0][:20]})")
     host, colon, port = t.rpartition(":")
-    if not colon or not host or (host.count(":") and not host.endswith("]")):
+    if t.startswith("[") and t.endswith("]"):   # [::1]: an IPv6 host, no port
+        host, colon, port = t, "", ""
+    elif host.count(":") and not host.endswith("]"):
+        raise ValueError(f"address {t[:200]!r}: put an IPv6 address in brackets, as in "
+                         "[::1]:50051")
+    if not colon or not host:
+        if tls and t:
+            return
         raise ValueError(f"address {t[:200]!r} has no port: {use} (hookserve serves on "
                          "port 50051 unless told otherwise)")
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"address {t[:200]!r}: port {port[:20]!r} is not a number from "
                          f"1 to 65535: {use}")
 

@@ -101,8 +101,9 @@ def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
 
 #: What a call that ran past the client's own timeout says.
 CLIENT_DEADLINE = ("no answer within the client's timeout: allow more time (the CLI's "
-                   "--timeout, 0 for no limit; Client(timeout=...) in the SDK), or send "
-                   "less work per call")
+                   "--timeout, 0 for no limit; in the SDK, Client(timeout=...), or the "
+                   "timeout= of extract_many and attribute_many), or send less work per "
+                   "call")
 
 
 def from_status(status) -> HookserveError:

@@ -163,8 +163,8 @@ def read_state_dict(path: Path, arch: str, keys: Collection[str] = ()
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
             warnings.simplefilter("ignore")
-            with torch.serialization.safe_globals(SAFE_GLOBALS):
-                obj = torch.load(path, map_location="cpu", weights_only=True)
+            torch.serialization.add_safe_globals(SAFE_GLOBALS)  # (idempotent)
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ConfigError(_load_error(path, exc)) from None
     return normalise(obj, path, keys)

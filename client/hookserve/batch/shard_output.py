@@ -209,9 +209,13 @@ def _invalid_marker(text: bytes | None, shard: Shard, files: dict[str, int],
         return "its done marker is unreadable"
     if marker.get("shard") != shard.key:
         return "its done marker names another shard"
-    if shard.members is not None and marker.get("members") != shard.members:
-        return ("its files changed since it was done (added, removed or resized)"
-                if "members" in marker else "its done marker does not record its files")
+    if shard.members is not None:
+        # A marker from before markers recorded the files: its row and error counts
+        # must still add up to the shard's files.
+        same = (marker["members"] == shard.members if "members" in marker else
+                marker.get("rows", 0) + marker.get("failed", 0) == len(shard.files))
+        if not same:
+            return "its files changed since it was done (added, removed or resized)"
     recorded = marker.get("files")
     if recorded is None and marker.get("rows"):  # a marker that records no sizes
         part = marker.get("part") or ""

@@ -26,13 +26,22 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
 
 from __future__ import annotations
 
+import fnmatch
 import glob as _glob
 import hashlib
 import os
 from dataclasses import dataclass, field
 
 from .defaults import DEFAULTS
-from .inputs import encode_name, is_image, listed_paths, name_digest, shard_of
+from .inputs import (
+    LIST_EXTS,
+    TABLE_EXTS,
+    encode_name,
+    is_image,
+    listed_paths,
+    name_digest,
+    shard_of,
+)
 from .readers import ShardError, is_tar, open_seekable
 from .remote import expand_braces, filesystem, is_url, walk_files
 
@@ -89,6 +98,12 @@ def _parquet_shards(path: str, size: int, opts: dict, shard_bytes: int) -> list[
     return [Shard(f"{path}#rg={k}", "parquet", path, k) for k in range(n)]
 
 
+def _unlistable(exc: OSError) -> None:
+    """A folder below an input that cannot be listed stops the plan: its files would
+    otherwise look removed."""
+    raise ShardError(f"cannot list {exc.filename}: {exc.strerror or exc}")
+
+
 def _listing(spec: str, opts: dict) -> list[tuple[str, int]]:
     """(path or URL, size) of every file the input names, from one listing."""
     if is_url(spec):
@@ -103,7 +118,7 @@ def _listing(spec: str, opts: dict) -> list[tuple[str, int]]:
             raise ShardError(f"no such file or folder: {spec}") from None
     if os.path.isdir(spec):
         out = []
-        for dirpath, dirnames, filenames in os.walk(spec):
+        for dirpath, dirnames, filenames in os.walk(spec, onerror=_unlistable):
             dirnames.sort()
             for name in sorted(filenames):
                 out.append((os.path.normpath(os.path.join(dirpath, name)), -1))
@@ -164,21 +179,37 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
     return [shards[k] for k in sorted(shards)]
 
 
-def vanished(specs: list[str], shards: list[Shard], listing_shards: int) -> list[Shard]:
-    """The listing shards these inputs could have and have no file in now (every file
-    that hashed to them was removed): their rows, if an earlier run wrote any, are no
-    longer the input's. Tar and Parquet inputs have no listing shards."""
+def _below(source: str, spec: str) -> bool:
+    """Whether a shard's source is the input `spec`, lies in it (a folder, a prefix)
+    or matches it (a glob)."""
+    return (source == spec or source.startswith(spec.rstrip("/") + "/")
+            or fnmatch.fnmatchcase(source, spec))
+
+
+def vanished(specs: list[str], shards: list[Shard], listing_shards: int
+             ) -> tuple[list[Shard], list[str]]:
+    """(The listing shards these inputs could have and have no file in now, the
+    inputs that list no file at all). The first lost every file that hashed to them:
+    their rows, if an earlier run wrote any, are no longer the input's. The second keep
+    theirs (an empty mount point, a glob matching nothing: more likely a mistake than
+    a deletion). Tar and Parquet inputs have no listing shards."""
     planned = {s.key for s in shards}
-    out = []
+    listed = {k.rpartition("#")[0] for k in planned}
+    gone, empty = [], []
     for spec0 in specs:
         for spec in expand_braces(spec0):
             if is_tar(spec) and not _glob.has_magic(spec):
                 continue
+            if encode_name(spec) not in listed:
+                is_list = os.path.splitext(spec)[1].lower() in (*LIST_EXTS, *TABLE_EXTS)
+                if not is_list and not any(_below(s.source, spec) for s in shards):
+                    empty.append(spec)   # (a list may name tars: it is not told)
+                continue
             for b in range(listing_shards):
                 key = f"{encode_name(spec)}#{b}/{listing_shards}"
                 if key not in planned:
-                    out.append(Shard(key, "files", spec))
-    return out
+                    gone.append(Shard(key, "files", spec))
+    return gone, empty
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,

@@ -124,7 +124,12 @@ def run_sharded(args: argparse.Namespace) -> int:
         for s in mine:
             print(s.key)
         return EXIT_OK
-    if not mine:
+    gone, empty = vanished(args.inputs, shards, args.listing_shards)
+    gone = select(gone, part)
+    for spec in empty[:NAMED]:
+        print(f"hookserve batch: {spec} lists no file now; the rows an earlier run wrote "
+              "for it, if any, are kept", file=sys.stderr)
+    if not mine and not gone:
         print(f"hookserve batch: no input shards assigned{where}; nothing to do",
               file=sys.stderr)
         return EXIT_OK
@@ -133,7 +138,7 @@ def run_sharded(args: argparse.Namespace) -> int:
         output = open_output(args.out, output_meta(meta, args), opts)
         try:
             done = output.done(mine)
-            output.retire(select(vanished(args.inputs, shards, args.listing_shards), part))
+            output.retire(gone)
         except Exception as exc:  # noqa: BLE001 - the output store failed
             raise Abort(f"cannot read the output {args.out}: {one_line(exc)}") from None
         for note in output.notes:

@@ -134,6 +134,8 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
     except ValueError:
         raise InvalidArgument(f"the request is not JSON (or {HEADER_LENGTH} is not the "
                               "JSON part's length)") from None
+    except RecursionError:
+        raise InvalidArgument("the request's JSON is nested too deeply") from None
     header = _object(header, "the request", required=True)
     blobs = memoryview(body)[n:]
     pos = 0
@@ -152,7 +154,7 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise InvalidArgument(f"input {name!r}: binary_data_size must be a byte "
                                       f"count, not {size!r}"[:300])
-            if "data" in t:
+            if t.get("data") is not None:
                 raise InvalidArgument(f"input {name!r} has both \"data\" and "
                                       "binary_data_size: send its elements one way")
             if pos + size > len(blobs):
@@ -196,11 +198,13 @@ def _json_numbers(datatype: str, data: bytes) -> Iterator[bytes]:
             arr[start:start + _CHUNK].tolist())[1:-1].encode()
 
 
-def json_bytes_bound(ans: InferAnswer, binary: dict[str, bool]) -> int:
-    """The most bytes the answer's JSON-encoded outputs can take."""
+def answer_bytes_bound(ans: InferAnswer, binary: dict[str, bool]) -> int:
+    """The most bytes the answer's outputs can take: binary ones as they are, the
+    others as JSON."""
     total = 0
     for t in ans.outputs:
         if binary.get(t.name):
+            total += len(t.data)
             continue
         if t.datatype == "BYTES":
             total += 6 * len(t.data)   # each byte escaped at worst; quotes, commas
@@ -215,10 +219,10 @@ def encode_answer(ans: InferAnswer, binary: dict[str, bool], limit: int
     """The answer's body, and its JSON part's length when binary outputs follow.
     Outputs sent as JSON grow about fourfold: over `limit` bytes that way, the answer
     is RESOURCE_EXHAUSTED before it is encoded."""
-    bound = json_bytes_bound(ans, binary)
+    bound = answer_bytes_bound(ans, binary)
     if bound > limit:
         raise ResourceExhausted(
-            f"the answer as JSON could take {bound} bytes, over {limit} bytes, this "
+            f"the answer with JSON outputs could take {bound} bytes, over {limit} bytes, this "
             "server's limit for one answer (--max-stream-buffer-bytes): ask for "
             "binary outputs (request parameter binary_data_output=true), fewer images "
             "or outputs, or a reduction (reduction=avg)")

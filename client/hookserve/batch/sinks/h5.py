@@ -27,7 +27,7 @@ class H5Sink(PartSink):
 
     def __init__(self, out: str, meta: dict, *, consolidate: bool = True, **kw) -> None:
         # The lock lives beside out.h5: consolidation removes the parts folder, and the
-        # lock must outlast it (a second run waits until the folder is gone).
+        # lock must outlast it (a second run is refused as locked until then).
         folder, name = os.path.split(os.path.abspath(out))
         super().__init__(out, meta, out + ".parts",
                          lock_path=os.path.join(folder, f".{name}.lock"), **kw)

@@ -4,6 +4,7 @@ line is there. Feature shapes may differ from image to image."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -11,6 +12,8 @@ import numpy as np
 
 from .base import OutputError, Record, ShapeMismatch, Sink
 from .durable import Lock, lock_and_check, write_json_atomic
+
+_TMP = itertools.count()  # this process's temporary names
 
 
 class NpySink(Sink):
@@ -59,8 +62,9 @@ class NpySink(Sink):
             final = os.path.join(self.out, rel)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             # Every final name ends in .npy and no temporary name does: an input named
-            # like another's temporary file cannot be overwritten by it.
-            tmp = f"{final}.tmp-{os.getpid()}"
+            # like another's temporary file cannot be overwritten by it (and the name
+            # is short: no final name's length limit is met first here).
+            tmp = os.path.join(os.path.dirname(final), f".tmp-{os.getpid()}-{next(_TMP)}")
             with open(tmp, "wb") as fh:
                 np.save(fh, arr, allow_pickle=False)
             os.replace(tmp, final)
