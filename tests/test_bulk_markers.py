@@ -365,3 +365,23 @@ def test_a_worker_whose_listing_shards_all_emptied_still_removes_their_rows(
     assert worker(owner[0]) == 0
     assert "its rows are removed" in capsys.readouterr().err
     assert sorted(read_out(str(out))[0]) == sorted(str(p) for p in folder.iterdir())
+
+
+def test_a_worker_with_nothing_to_do_needs_no_server(tmp_path, capsys):
+    """Its buckets hold no file now and never had rows: nothing to remove either."""
+    from hookserve.batch.inputs import encode_name, shard_of
+    from hookserve.cli import main
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    owners = set()
+    for i in range(3):
+        p = folder / f"{i}.png"
+        p.write_bytes(encode(rand_image(32, 32, seed=120 + i)))
+        b = shard_of(encode_name(str(p)), 64)
+        owners.add(shard_of(f"{encode_name(str(folder))}#{b}/64", 8))
+    idle = next(i for i in range(8) if i not in owners)
+    rc = main(["batch", str(folder), "--out", str(tmp_path / "o.parquet"), "--sharded",
+               "--shard", f"{idle}/8", "--server", "127.0.0.1:1", "--layers", "fc",
+               "--no-progress"])
+    assert rc == 0 and "nothing to do" in capsys.readouterr().err

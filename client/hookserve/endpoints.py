@@ -87,8 +87,11 @@ def check_address(t: str, tls: bool = False) -> None:
     elif host.count(":") and not host.endswith("]"):
         raise ValueError(f"address {t[:200]!r}: put an IPv6 address in brackets, as in "
                          "[::1]:50051")
+    if colon and not host:
+        raise ValueError(f"address {t[:200]!r} has no host: {use}, e.g. "
+                         f"localhost{t[:20]}")
     if not colon or not host:
-        if tls and t:
+        if tls and t and not any(c in t for c in "/@"):
             return
         raise ValueError(f"address {t[:200]!r} has no port: {use} (hookserve serves on "
                          "port 50051 unless told otherwise)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import logging
 import re
 import warnings
@@ -53,6 +54,12 @@ BN_COUNTER = ".num_batches_tracked"
 #: How many dot-separated parts a prefix (`under_prefix`) may have.
 PREFIX_DEPTH = 3
 SAFETENSORS_SUFFIX = ".safetensors"
+
+
+@functools.cache
+def _allow_safe_globals() -> None:
+    """Let torch.load(weights_only=True) rebuild SAFE_GLOBALS, once per process."""
+    torch.serialization.add_safe_globals(SAFE_GLOBALS)
 
 
 def _load_error(path: Path, exc: Exception) -> str:
@@ -163,7 +170,7 @@ def read_state_dict(path: Path, arch: str, keys: Collection[str] = ()
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
             warnings.simplefilter("ignore")
-            torch.serialization.add_safe_globals(SAFE_GLOBALS)  # (idempotent)
+            _allow_safe_globals()
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ConfigError(_load_error(path, exc)) from None

@@ -198,6 +198,17 @@ class ShardOutput:
             np.save(os.path.join(folder, f"{layer}.npy"), np.stack(arrays))
 
 
+def present(out: str, shards: list[Shard], storage_options: dict | None = None
+            ) -> list[Shard]:
+    """The shards among `shards` with any file in the output `out` (one listing)."""
+    if not shards:
+        return []
+    names = Location(out, storage_options).listing()
+    sids = {n.split("/", 1)[0].removeprefix("part-").removeprefix("_done-")
+            .removeprefix("_errors-").split(".", 1)[0] for n in names}
+    return [s for s in shards if s.sid in sids]
+
+
 def _invalid_marker(text: bytes | None, shard: Shard, files: dict[str, int],
                     fmt: str) -> str | None:
     """Why a done marker cannot be trusted, or None when it can."""
@@ -212,8 +223,9 @@ def _invalid_marker(text: bytes | None, shard: Shard, files: dict[str, int],
     if shard.members is not None:
         # A marker from before markers recorded the files: its row and error counts
         # must still add up to the shard's files.
+        counts = (marker.get("rows"), marker.get("failed"))
         same = (marker["members"] == shard.members if "members" in marker else
-                marker.get("rows", 0) + marker.get("failed", 0) == len(shard.files))
+                all(isinstance(n, int) for n in counts) and sum(counts) == len(shard.files))
         if not same:
             return "its files changed since it was done (added, removed or resized)"
     recorded = marker.get("files")

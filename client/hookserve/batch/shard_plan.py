@@ -26,22 +26,13 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
 
 from __future__ import annotations
 
-import fnmatch
 import glob as _glob
 import hashlib
 import os
 from dataclasses import dataclass, field
 
 from .defaults import DEFAULTS
-from .inputs import (
-    LIST_EXTS,
-    TABLE_EXTS,
-    encode_name,
-    is_image,
-    listed_paths,
-    name_digest,
-    shard_of,
-)
+from .inputs import encode_name, is_image, listed_paths, name_digest, shard_of
 from .readers import ShardError, is_tar, open_seekable
 from .remote import expand_braces, filesystem, is_url, walk_files
 
@@ -58,6 +49,8 @@ class Shard:
     files: tuple[str, ...] = field(default=(), compare=False)  # kind == "files"
     #: sizes the listing gave (-1: unknown), parallel to `files`
     sizes: tuple[int, ...] = field(default=(), compare=False)
+    #: False when the input's listing missed a folder: `files` may lack some
+    whole: bool = field(default=True, compare=False)
 
     @property
     def sid(self) -> str:
@@ -68,8 +61,9 @@ class Shard:
     def members(self) -> str | None:
         """A listing shard's files and their listed sizes, as a digest its done marker
         records: a file added, removed or resized since makes the marker stale. None
-        for a tar or Parquet shard (its file names it)."""
-        if self.kind != "files":
+        for a tar or Parquet shard (its file names it), and for a listing that missed a
+        folder (its marker is then trusted as it is)."""
+        if self.kind != "files" or not self.whole:
             return None
         h = hashlib.sha256()
         for name, size in sorted(zip(map(encode_name, self.files),
@@ -98,14 +92,21 @@ def _parquet_shards(path: str, size: int, opts: dict, shard_bytes: int) -> list[
     return [Shard(f"{path}#rg={k}", "parquet", path, k) for k in range(n)]
 
 
-def _unlistable(exc: OSError) -> None:
-    """A folder below an input that cannot be listed stops the plan: its files would
-    otherwise look removed."""
-    raise ShardError(f"cannot list {exc.filename}: {exc.strerror or exc}")
+@dataclass
+class PlanReport:
+    """What planning saw of each input beyond its shards: inputs that listed no file,
+    and inputs whose listing missed a folder (unreadable, or gone while listed): for
+    these, files not listed now may well still exist."""
+
+    empty: list[str] = field(default_factory=list)
+    #: input -> the first folder below it that could not be listed, and why
+    partial: dict[str, str] = field(default_factory=dict)
 
 
-def _listing(spec: str, opts: dict) -> list[tuple[str, int]]:
-    """(path or URL, size) of every file the input names, from one listing."""
+def _listing(spec: str, opts: dict, report: PlanReport | None = None
+             ) -> list[tuple[str, int]]:
+    """(path or URL, size) of every file the input names, from one listing; a folder
+    below it that cannot be listed is left out, and noted in `report`."""
     if is_url(spec):
         fs, path = filesystem(spec, opts)
         if _glob.has_magic(path):
@@ -118,7 +119,10 @@ def _listing(spec: str, opts: dict) -> list[tuple[str, int]]:
             raise ShardError(f"no such file or folder: {spec}") from None
     if os.path.isdir(spec):
         out = []
-        for dirpath, dirnames, filenames in os.walk(spec, onerror=_unlistable):
+        def unlistable(exc: OSError) -> None:
+            if report is not None:
+                report.partial.setdefault(spec, f"{exc.filename}: {exc.strerror or exc}")
+        for dirpath, dirnames, filenames in os.walk(spec, onerror=unlistable):
             dirnames.sort()
             for name in sorted(filenames):
                 out.append((os.path.normpath(os.path.join(dirpath, name)), -1))
@@ -134,8 +138,8 @@ def _listing(spec: str, opts: dict) -> list[tuple[str, int]]:
 def plan_shards(specs: list[str], *, image_column: str | None = None,
                 listing_shards: int = DEFAULTS["listing_shards"],
                 shard_bytes: int = DEFAULTS["shard_bytes"],
-                storage_options: dict | None = None, path_column: str = "path"
-                ) -> list[Shard]:
+                storage_options: dict | None = None, path_column: str = "path",
+                report: PlanReport | None = None) -> list[Shard]:
     """Every input shard the inputs name, sorted by key (see the module doc). A list
     (.txt/.lst) or path table (.csv/.tsv/.parquet, its `path_column`) names paths and
     URLs, one shard per hash bucket of them."""
@@ -157,7 +161,9 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
             elif is_url(spec) and is_image(spec) and not _glob.has_magic(spec):
                 listed = [(spec, -1)]  # one image: no listing (http has none)
             else:
-                listed = _listing(spec, opts)
+                listed = _listing(spec, opts, report)
+            if not listed and report is not None:
+                report.empty.append(spec)
             for path, size in listed:
                 if is_tar(path):
                     shards.setdefault(path, Shard(path, "tar", path))
@@ -175,41 +181,31 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
             for b, members in buckets.items():
                 key = f"{encode_name(spec)}#{b}/{listing_shards}"
                 shards[key] = Shard(key, "files", spec, files=tuple(members),
-                                    sizes=tuple(files[f] for f in members))
+                                    sizes=tuple(files[f] for f in members),
+                                    whole=report is None or spec not in report.partial)
     return [shards[k] for k in sorted(shards)]
 
 
-def _below(source: str, spec: str) -> bool:
-    """Whether a shard's source is the input `spec`, lies in it (a folder, a prefix)
-    or matches it (a glob)."""
-    return (source == spec or source.startswith(spec.rstrip("/") + "/")
-            or fnmatch.fnmatchcase(source, spec))
-
-
-def vanished(specs: list[str], shards: list[Shard], listing_shards: int
-             ) -> tuple[list[Shard], list[str]]:
-    """(The listing shards these inputs could have and have no file in now, the
-    inputs that list no file at all). The first lost every file that hashed to them:
-    their rows, if an earlier run wrote any, are no longer the input's. The second keep
-    theirs (an empty mount point, a glob matching nothing: more likely a mistake than
-    a deletion). Tar and Parquet inputs have no listing shards."""
+def vanished(specs: list[str], shards: list[Shard], listing_shards: int,
+             report: PlanReport) -> list[Shard]:
+    """The listing shards these inputs could have and have no file in now (every file
+    that hashed to them was removed): their rows, if an earlier run wrote any, are no
+    longer the input's. Inputs that listed no file, or whose listing missed a folder
+    (`report`), keep theirs: an empty mount point or an unreadable folder is more
+    likely a mistake than a deletion. Tar and Parquet inputs have no listing shards."""
     planned = {s.key for s in shards}
-    listed = {k.rpartition("#")[0] for k in planned}
-    gone, empty = [], []
+    listed = {s.key.rpartition("#")[0] for s in shards if s.kind == "files"}
+    keep = {*report.empty, *report.partial}
+    gone = []
     for spec0 in specs:
         for spec in expand_braces(spec0):
-            if is_tar(spec) and not _glob.has_magic(spec):
-                continue
-            if encode_name(spec) not in listed:
-                is_list = os.path.splitext(spec)[1].lower() in (*LIST_EXTS, *TABLE_EXTS)
-                if not is_list and not any(_below(s.source, spec) for s in shards):
-                    empty.append(spec)   # (a list may name tars: it is not told)
+            if spec in keep or encode_name(spec) not in listed:
                 continue
             for b in range(listing_shards):
                 key = f"{encode_name(spec)}#{b}/{listing_shards}"
                 if key not in planned:
                     gone.append(Shard(key, "files", spec))
-    return gone, empty
+    return gone
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,

@@ -50,8 +50,8 @@ from .remote import (
     parse_storage_options,
     set_store_timeout,
 )
-from .shard_output import ShardOutput, ShardResult
-from .shard_plan import Shard, ShardError, plan_shards, select, vanished
+from .shard_output import ShardOutput, ShardResult, present
+from .shard_plan import PlanReport, Shard, ShardError, plan_shards, select, vanished
 from .sinks.base import OutputError
 from .spec import connect, describe_and_check, parse_layers
 from .streamcall import Watchdog
@@ -101,9 +101,11 @@ def run_sharded(args: argparse.Namespace) -> int:
         opts = parse_storage_options(args.storage_option)
         part = parse_shard(args.shard) if args.shard is not None else None
         probe(args.inputs, opts, args.path_column, args.image_column)
+        report = PlanReport()
         shards = plan_shards(args.inputs, image_column=args.image_column,
                              listing_shards=args.listing_shards, shard_bytes=args.shard_bytes,
-                             storage_options=opts, path_column=args.path_column)
+                             storage_options=opts, path_column=args.path_column,
+                             report=report)
     except (ShardError, ValueError, OutputError, MissingExtra, InputError) as exc:
         raise Abort(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a listing the store refused
@@ -124,11 +126,15 @@ def run_sharded(args: argparse.Namespace) -> int:
         for s in mine:
             print(s.key)
         return EXIT_OK
-    gone, empty = vanished(args.inputs, shards, args.listing_shards)
-    gone = select(gone, part)
-    for spec in empty[:NAMED]:
+    for spec in report.empty[:NAMED]:
         print(f"hookserve batch: {spec} lists no file now; the rows an earlier run wrote "
               "for it, if any, are kept", file=sys.stderr)
+    for spec, why in list(report.partial.items())[:NAMED]:
+        print(f"hookserve batch: cannot list {why}: the files below it are left out, and "
+              f"the finished shards of {spec} are kept as they are", file=sys.stderr)
+    gone = select(vanished(args.inputs, shards, args.listing_shards, report), part)
+    if not mine:
+        gone = present(args.out, gone, opts)   # (a bucket with no rows has nothing to remove)
     if not mine and not gone:
         print(f"hookserve batch: no input shards assigned{where}; nothing to do",
               file=sys.stderr)
