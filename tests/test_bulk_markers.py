@@ -385,3 +385,18 @@ def test_a_worker_with_nothing_to_do_needs_no_server(tmp_path, capsys):
                "--shard", f"{idle}/8", "--server", "127.0.0.1:1", "--layers", "fc",
                "--no-progress"])
     assert rc == 0 and "nothing to do" in capsys.readouterr().err
+
+
+def test_files_another_input_lists_first_are_not_kept_twice(det_server, tmp_path, capsys):
+    """`imgs/sub` alone, then `imgs imgs/sub`: each file is listed once, by `imgs`, so
+    the rows written for `imgs/sub` go."""
+    sub = tmp_path / "imgs" / "sub"
+    sub.mkdir(parents=True)
+    for i in range(3):
+        (sub / f"{i}.png").write_bytes(encode(rand_image(32, 32, seed=130 + i)))
+    out = tmp_path / "o.parquet"
+    flags = ("--sharded", "--listing-shards", "2")
+    assert run_batch(det_server, [str(sub)], out, *flags) == 0
+    assert run_batch(det_server, [str(tmp_path / "imgs"), str(sub)], out, *flags) == 0
+    ids = read_out(str(out))[0]
+    assert sorted(ids) == sorted(str(p) for p in sub.iterdir())

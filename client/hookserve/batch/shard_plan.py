@@ -194,12 +194,11 @@ def vanished(specs: list[str], shards: list[Shard], listing_shards: int,
     (`report`), keep theirs: an empty mount point or an unreadable folder is more
     likely a mistake than a deletion. Tar and Parquet inputs have no listing shards."""
     planned = {s.key for s in shards}
-    listed = {s.key.rpartition("#")[0] for s in shards if s.kind == "files"}
     keep = {*report.empty, *report.partial}
     gone = []
     for spec0 in specs:
         for spec in expand_braces(spec0):
-            if spec in keep or encode_name(spec) not in listed:
+            if spec in keep or (is_tar(spec) and not _glob.has_magic(spec)):
                 continue
             for b in range(listing_shards):
                 key = f"{encode_name(spec)}#{b}/{listing_shards}"
