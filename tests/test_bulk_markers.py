@@ -331,6 +331,7 @@ def test_a_marker_written_before_markers_recorded_files_is_checked_by_its_counts
     capsys.readouterr()
     assert run_batch(det_server, [str(folder)], out, *flags) == 0
     assert "skipped 1," in capsys.readouterr().err
+    assert "members" in json.loads(marker.read_text())   # trusted, then completed
     marker.write_text(json.dumps(old))
     (folder / "4.png").write_bytes(encode(rand_image(32, 32, seed=99)))
     assert run_batch(det_server, [str(folder)], out, *flags) == 0

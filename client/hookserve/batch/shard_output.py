@@ -101,17 +101,22 @@ class ShardOutput:
 
     def done(self, shards: list[Shard]) -> set[str]:
         """The sids of `shards` with a valid done marker (one listing and one batch of
-        marker reads). An invalid one is noted in :attr:`notes`."""
+        marker reads). An invalid one is noted in :attr:`notes`; a valid one from before
+        markers recorded their shard's files gets them now (one write, once)."""
         files = self.files()
         named = {f"_done-{s.sid}.json": s for s in shards if f"_done-{s.sid}.json" in files}
         texts = self.loc.read_many(sorted(named))
         ok = set()
         for name, shard in named.items():
             why = _invalid_marker(texts.get(name), shard, files, self.fmt)
-            if why is None:
-                ok.add(shard.sid)
-            else:
+            if why is not None:
                 self.notes.append(f"shard {shard.key}: {why}; it is done again")
+                continue
+            ok.add(shard.sid)
+            marker = json.loads(texts[name])
+            if shard.members is not None and "members" not in marker:
+                marker["members"] = shard.members
+                self.loc.put_text(name, json.dumps(marker, sort_keys=True) + "\n")
         return ok
 
     def retire(self, shards: list[Shard]) -> None:
