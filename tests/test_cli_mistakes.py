@@ -128,3 +128,13 @@ def test_sdk_option_typos_name_the_options(server, img):
 def test_batch_help_gives_the_timeout_default_once():
     out = " ".join(hs("batch", "--help").stdout.split())
     assert "(default: 60.0); 0: no limit" not in out and "no limit (default: 60.0)" in out
+
+
+def test_timeout_0_means_no_limit(server, img, tmp_path):
+    """As --help says: 0 was passed on as a deadline of now, and every call failed."""
+    r = hs("extract", str(img), "--layers", "layer4", "--timeout", "0",
+           "--server", server.address)
+    assert r.returncode == 0, r.stderr
+    r = hs("attribute", str(img), "--timeout", "0", "--out", str(tmp_path / "maps"),
+           "--server", server.address)
+    assert r.returncode == 0, r.stderr

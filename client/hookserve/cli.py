@@ -93,7 +93,7 @@ def _extract(args) -> int:
         for r in c.extract_many(args.images, layers, model=args.model,
                                 reduction=args.reduction, dtype=args.dtype,
                                 l2_normalize=args.l2_normalize, native=args.native,
-                                resize=args.resize, crop=args.crop, timeout=args.timeout):
+                                resize=args.resize, crop=args.crop, timeout=args.timeout or None):
             if r.error is not None:
                 failed += 1
                 print(f"{r.id}: {r.error}", file=sys.stderr)
@@ -225,7 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         from .batch.errors import EXIT_INTERRUPTED
 
         print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        # Out at once: a gRPC call the interrupt cut short would print a traceback from
+        # its finalizer as the interpreter shuts down.
+        os._exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as a program that SIGPIPE ends.
         # What is still buffered for stdout goes nowhere, so exiting raises nothing more.

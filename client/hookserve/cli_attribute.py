@@ -134,7 +134,7 @@ def _attribute(args) -> int:
             relu=args.relu, normalize=args.normalize, upsample=args.upsample,
             steps=args.steps, baseline=args.baseline, samples=args.samples,
             sigma=args.sigma, seed=args.seed, native=args.native, resize=args.resize,
-            crop=args.crop, timeout=args.timeout)
+            crop=args.crop, timeout=args.timeout or None)
         for r, name in zip(results, names, strict=True):
             if not r.ok:
                 failed += 1
