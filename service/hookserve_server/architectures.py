@@ -18,6 +18,7 @@ from torch import nn
 from .checkpoints import head_keys, head_modules
 from .config import TIMM_PREFIX
 from .errors import ConfigError
+from .model_file import INTERPOLATIONS
 
 #: Outputs of torchvision's classifiers as built without arguments (ImageNet-1k).
 DEFAULT_CLASSES = 1000
@@ -99,7 +100,7 @@ def timm_transforms(arch: str) -> tuple[int, tuple[int, int], tuple, tuple, str]
     mode = str(cfg.get("interpolation", "bilinear"))
     return (int(math.floor(min(h, w) / cfg.get("crop_pct", 0.875))), (h, w),
             tuple(float(x) for x in cfg["mean"]), tuple(float(x) for x in cfg["std"]),
-            mode if mode in ("bilinear", "bicubic", "nearest") else "bilinear")
+            mode if mode in INTERPOLATIONS else "bilinear")
 
 
 def build_meta(arch: str, num_classes: int | None = None, left_out: tuple[str, ...] = (),

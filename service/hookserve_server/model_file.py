@@ -39,6 +39,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 KEYS = {"name", "architecture", "weights", "labels", "dtype", "device", "precision",
         "transform_input", "preprocessing"}
 PREPROCESSING_KEYS = {"resize", "crop", "mean", "std", "interpolation"}
+#: The resize interpolations a model may have (torchvision's resize has each)
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 #: precision.Precision's values (read here before torch loads)
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -70,9 +70,8 @@ class ShardOutput:
     stack (anything else), local or remote."""
 
     def __init__(self, out: str, meta: dict, storage_options: dict | None = None) -> None:
-        fmt = format_of(out)
         #: "parquet" or :data:`NPY_STACK`
-        self.fmt = NPY_STACK if fmt == "npy" else fmt
+        self.fmt = _layout(out)
         if self.fmt == "h5":
             raise OutputError("a sharded run writes a .parquet dataset or a .npy folder "
                               "(many workers share one --out), not .h5")
@@ -123,13 +122,9 @@ class ShardOutput:
         """Remove the part, errors file and marker of listing shards that have no file
         any more (`shard_plan.vanished`), where an earlier run wrote them; noted in
         :attr:`notes`."""
-        files = self.files()
+        tops = _tops(self.files())
         for shard in shards:
-            sid = shard.sid
-            names = [n for n in (f"part-{sid}.parquet", f"_errors-{sid}.csv",
-                                 f"_done-{sid}.json") if n in files]
-            if self.fmt == NPY_STACK and any(n.startswith(f"{sid}/") for n in files):
-                names.insert(0, sid)
+            names = _owned(shard.sid, self.fmt, tops)
             if not names:
                 continue
             for name in names:   # the marker last: a kill leaves a shard to retire again
@@ -208,10 +203,25 @@ def present(out: str, shards: list[Shard], storage_options: dict | None = None
     """The shards among `shards` with any file in the output `out` (one listing)."""
     if not shards:
         return []
-    names = Location(out, storage_options).listing()
-    sids = {n.split("/", 1)[0].removeprefix("part-").removeprefix("_done-")
-            .removeprefix("_errors-").split(".", 1)[0] for n in names}
-    return [s for s in shards if s.sid in sids]
+    fmt, tops = _layout(out), _tops(Location(out, storage_options).listing())
+    return [s for s in shards if _owned(s.sid, fmt, tops)]
+
+
+def _layout(out: str) -> str:
+    """The sharded output's layout by `--out`'s extension: "parquet" or NPY_STACK."""
+    fmt = format_of(out)
+    return NPY_STACK if fmt == "npy" else fmt
+
+
+def _tops(files: dict[str, int]) -> set[str]:
+    """The top-level names of an output listing (files, and the npy stack's folders)."""
+    return {n.split("/", 1)[0] for n in files}
+
+
+def _owned(sid: str, fmt: str, tops: set[str]) -> list[str]:
+    """Shard `sid`'s part, errors file and marker among `tops`, the marker last."""
+    part = f"part-{sid}.parquet" if fmt == "parquet" else sid
+    return [n for n in (part, f"_errors-{sid}.csv", f"_done-{sid}.json") if n in tops]
 
 
 def _invalid_marker(text: bytes | None, shard: Shard, files: dict[str, int],

@@ -26,6 +26,7 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
 
 from __future__ import annotations
 
+import functools
 import glob as _glob
 import hashlib
 import os
@@ -57,7 +58,7 @@ class Shard:
         """16 hex digits naming this shard's output part and marker."""
         return name_digest(self.key).hex()
 
-    @property
+    @functools.cached_property   # (read several times a run: computed once)
     def members(self) -> str | None:
         """A listing shard's files and their listed sizes, as a digest its done marker
         records: a file added, removed or resized since makes the marker stale. None

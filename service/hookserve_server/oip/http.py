@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from ..errors import ConfigError, HookserveError, ResourceExhausted
 from ..status import as_domain, short_message
 from . import metadata as md
-from .infer import CallCancel
+from .infer import VERSION, CallCancel
 from .rest_body import HEADER_LENGTH, encode_answer, to_call
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class OipHttp:
             for name in names:
                 c = self.inference.counts.of(name)
                 out.append({
-                    "name": name, "version": "1", "last_inference": c.last_ms,
+                    "name": name, "version": VERSION, "last_inference": c.last_ms,
                     "inference_count": c.inferences, "execution_count": c.executions,
                     "inference_stats": {"success": dur(c.success, c.success_ns),
                                         "fail": dur(c.fail, c.fail_ns),

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Iterator
 
 import numpy as np
 
 from ..errors import InvalidArgument, ResourceExhausted
+from .infer import VERSION
 from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
 from .tensors import InferAnswer, unpack_bytes
 
@@ -209,8 +211,7 @@ def answer_bytes_bound(ans: InferAnswer, binary: dict[str, bool]) -> int:
         if t.datatype == "BYTES":
             total += 6 * len(t.data)   # each byte escaped at worst; quotes, commas
         else:
-            count = len(t.data) // np.dtype(_JSON_DTYPES.get(t.datatype, "<u2")).itemsize
-            total += count * _JSON_ELEMENT_BYTES[t.datatype]
+            total += math.prod(t.shape) * _JSON_ELEMENT_BYTES[t.datatype]
     return total
 
 
@@ -226,19 +227,19 @@ def encode_answer(ans: InferAnswer, binary: dict[str, bool], limit: int
             "server's limit for one answer (--max-stream-buffer-bytes): ask for "
             "binary outputs (request parameter binary_data_output=true), fewer images "
             "or outputs, or a reduction (reduction=avg)")
-    parts = [json.dumps({"model_name": ans.model, "model_version": "1",
+    parts = [json.dumps({"model_name": ans.model, "model_version": VERSION,
                          "id": ans.id})[:-1].encode(), b', "outputs": [']
     blobs = []
     for i, t in enumerate(ans.outputs):
         o = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+        sep = b", " if i else b""
         if binary.get(t.name):
             o["parameters"] = {"binary_data_size": len(t.data)}
             blobs.append(t.data)
-        parts.append((b", " if i else b"") + json.dumps(o).encode())
-        if not binary.get(t.name):
-            parts[-1] = parts[-1][:-1] + b', "data": ['
-            parts.extend(_json_numbers(t.datatype, t.data))
-            parts.append(b"]}")
+            parts.append(sep + json.dumps(o).encode())
+        else:   # the object without its closing brace, then its data
+            parts += [sep + json.dumps(o).encode()[:-1] + b', "data": [',
+                      *_json_numbers(t.datatype, t.data), b"]}"]
     parts.append(b"]}")
     head = b"".join(parts)
     return (head + b"".join(blobs), len(head)) if blobs else (head, None)

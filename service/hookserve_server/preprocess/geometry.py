@@ -103,12 +103,6 @@ def _resized(h: int, w: int, size: int) -> tuple[int, int]:
     return (new_long, new_short) if w <= h else (new_short, new_long)
 
 
-def interpolation_mode(name: str) -> InterpolationMode:
-    """A model's resize interpolation ("bilinear", "bicubic": its weights'
-    `transforms()`, or a timm data config) as torchvision's enum."""
-    return InterpolationMode(name)
-
-
 def apply_geometry(arr: np.ndarray, pre: Preprocess, default_resize: int,
                    default_crop: tuple[int, int], interpolation: str = "bilinear"
                    ) -> torch.Tensor:
@@ -119,7 +113,7 @@ def apply_geometry(arr: np.ndarray, pre: Preprocess, default_resize: int,
     t = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
     resize, crop = geometry_params(pre, default_resize, default_crop)
     if resize:
-        t = F.resize(t, [resize], interpolation=interpolation_mode(interpolation),
+        t = F.resize(t, [resize], interpolation=InterpolationMode(interpolation),
                      antialias=True)
     if crop:
         t = F.center_crop(t, list(crop))
@@ -136,7 +130,7 @@ def geometry_on_tensor(t: torch.Tensor, pre: Preprocess, default_resize: int,
     """
     resize, crop = geometry_params(pre, default_resize, default_crop)
     if resize:
-        t = F.resize(t.float(), [resize], interpolation=interpolation_mode(interpolation),
+        t = F.resize(t.float(), [resize], interpolation=InterpolationMode(interpolation),
                      antialias=True).round_().clamp_(0, 255).to(torch.uint8)
     if crop:
         t = F.center_crop(t, list(crop))
