@@ -6,6 +6,7 @@ client against real servers; only the inputs misbehave."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -100,7 +101,8 @@ class Web:
 
     - ``/f/<name>``: the bytes in :attr:`files` (``/f/<name>?cut=N`` cuts the body
       after N bytes while announcing the whole length); a name in :attr:`gates` waits
-      for its event before it answers;
+      for its event before it answers; a HEAD gives its length and an ETag (a digest
+      of the bytes, as web servers and object stores give);
     - ``/big``: announces a 10 GB body, sends none; ``/endless``: a body with no length
       that never ends; ``/hang``: never answers; anything else: 404.
     """
@@ -114,6 +116,17 @@ class Web:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
+
+            def do_HEAD(self):  # noqa: N802 - the http.server API
+                data = web.files.get(self.path[3:]) if self.path.startswith("/f/") \
+                    else None
+                if data is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')  # noqa: S324
+                self.end_headers()
 
             def do_GET(self):  # noqa: N802 - the http.server API
                 path, _, query = self.path.partition("?")

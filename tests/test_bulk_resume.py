@@ -49,6 +49,8 @@ class _Local:
     def stage(self, held: int | None) -> None:
         for t, data in enumerate(TARS):
             p = self.dir / f"{t}.tar"
+            if t != held and p.is_file():
+                continue   # there already (rewriting it would have its shard redone)
             if p.exists() or p.is_fifo():
                 p.unlink()
             if t == held:

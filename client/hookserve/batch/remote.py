@@ -151,11 +151,12 @@ class NeedMore(Exception):
         self.bound = bound
 
 
-def http_open(url: str, timeout: float, headers: dict | None = None):
-    """A streamed GET (the response is a file object); every socket read times out
-    after `timeout` seconds."""
-    req = urllib.request.Request(url, headers={"User-Agent": "hookserve-batch",
-                                               **(headers or {})})
+def http_open(url: str, timeout: float, headers: dict | None = None,
+              method: str = "GET"):
+    """A streamed GET (the response is a file object), or a HEAD; every socket read
+    times out after `timeout` seconds."""
+    req = urllib.request.Request(url, method=method,
+                                 headers={"User-Agent": "hookserve-batch", **(headers or {})})
     return urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 - http(s) only
 
 

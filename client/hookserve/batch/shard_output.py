@@ -3,10 +3,12 @@
 A shard's rows are built into one part locally and published whole (rename, or one
 upload), then its errors file, then, **only when every input of the shard is accounted
 for**, its done marker ``_done-<sid>.json``, which records the part's files and sizes
-(:meth:`ShardOutput.publish`), and, for a listing shard, a digest of its input files
-(`Shard.members`). A marker is trusted only when it parses, names its shard, records
-the files the shard has now, and every file it records is there with its recorded
-size (:meth:`ShardOutput.done`); otherwise it is deleted and the shard done again.
+(:meth:`ShardOutput.publish`), and what the shard's input was: for a listing shard a
+digest of its files (`Shard.members`), for a tar or Parquet shard its file's size and
+version (:mod:`.stamps`, taken before the shard is read). A marker is trusted only when
+it parses, names its shard, records the input the shard has now, and every file it
+records is there with its recorded size (:meth:`ShardOutput.done`); otherwise it is
+deleted and the shard done again.
 
 Two layouts, by the extension of ``--out``: a Parquet dataset (``part-<sid>.parquet``
 per shard), or an **npy stack** folder: per shard a folder ``<sid>/`` with
@@ -34,6 +36,7 @@ from .shard_plan import Shard
 from .sinks import format_of
 from .sinks.base import OutputError, check_meta, need
 from .sinks.parquet import write_table
+from .stamps import stamps
 
 META = "_hookserve.json"
 #: The layout of a sharded run's ``.npy`` output: one ``[rows, ...]`` array per layer
@@ -78,7 +81,10 @@ class ShardOutput:
         if self.fmt == "parquet":
             need("pyarrow.parquet", "Parquet")
         self.loc = Location(out, storage_options)
+        self.opts = storage_options or {}
         self.meta = meta
+        #: tar or Parquet file -> its stamp when its shards were checked (:meth:`done`)
+        self.stamps: dict[str, str] = {}
         self._files: dict[str, int] | None = None
         #: why markers were not trusted (printed by the run)
         self.notes: list[str] = []
@@ -100,23 +106,36 @@ class ShardOutput:
 
     def done(self, shards: list[Shard]) -> set[str]:
         """The sids of `shards` with a valid done marker (one listing and one batch of
-        marker reads). An invalid one is noted in :attr:`notes`; a valid one from before
-        markers recorded their shard's files gets them now (one write, once)."""
+        marker reads), after stamping their tar and Parquet files (:mod:`.stamps`; the
+        stamps are kept for :meth:`publish`). An invalid marker is noted in
+        :attr:`notes`; a valid one from before markers recorded their shard's input gets
+        it now (one write, once)."""
+        self.stamps.update(stamps({s.source for s in shards if s.kind != "files"}
+                                  - set(self.stamps), self.opts))
         files = self.files()
         named = {f"_done-{s.sid}.json": s for s in shards if f"_done-{s.sid}.json" in files}
         texts = self.loc.read_many(sorted(named))
         ok = set()
         for name, shard in named.items():
-            why = _invalid_marker(texts.get(name), shard, files, self.fmt)
+            why = _invalid_marker(texts.get(name), shard, self._input(shard), files,
+                                  self.fmt)
             if why is not None:
                 self.notes.append(f"shard {shard.key}: {why}; it is done again")
                 continue
             ok.add(shard.sid)
             marker = json.loads(texts[name])
-            if shard.members is not None and "members" not in marker:
-                marker["members"] = shard.members
+            if not marker.keys() & {"members", "stamp"} and self._input(shard):
+                marker.update(self._input(shard))
                 self.loc.put_text(name, json.dumps(marker, sort_keys=True) + "\n")
         return ok
+
+    def _input(self, shard: Shard) -> dict[str, str]:
+        """What the shard's marker records of its input (see the module doc); empty
+        when that is unknown (a listing that missed a folder, a file not stamped)."""
+        if shard.kind == "files":
+            return {} if shard.members is None else {"members": shard.members}
+        stamp = self.stamps.get(shard.source)
+        return {} if stamp is None else {"stamp": stamp}
 
     def retire(self, shards: list[Shard]) -> None:
         """Remove the part, errors file and marker of listing shards that have no file
@@ -175,8 +194,7 @@ class ShardOutput:
         marker = {"shard": shard.key, "part": part, "files": written, "rows": len(rows),
                   "failed": len(fails), "errors": f"_errors-{sid}.csv" if fails else None,
                   "hookserve_version": __version__}
-        if shard.members is not None:
-            marker["members"] = shard.members
+        marker.update(self._input(shard))
         self.loc.put_text(f"_done-{sid}.json", json.dumps(marker, sort_keys=True) + "\n")
         return result
 
@@ -224,8 +242,8 @@ def _owned(sid: str, fmt: str, tops: set[str]) -> list[str]:
     return [n for n in (part, f"_errors-{sid}.csv", f"_done-{sid}.json") if n in tops]
 
 
-def _invalid_marker(text: bytes | None, shard: Shard, files: dict[str, int],
-                    fmt: str) -> str | None:
+def _invalid_marker(text: bytes | None, shard: Shard, now: dict[str, str],
+                    files: dict[str, int], fmt: str) -> str | None:
     """Why a done marker cannot be trusted, or None when it can."""
     try:
         marker = json.loads(text) if text is not None else None
@@ -235,14 +253,17 @@ def _invalid_marker(text: bytes | None, shard: Shard, files: dict[str, int],
         return "its done marker is unreadable"
     if marker.get("shard") != shard.key:
         return "its done marker names another shard"
-    if shard.members is not None:
+    if "members" in now:
         # A marker from before markers recorded the files: its row and error counts
         # must still add up to the shard's files.
         counts = (marker.get("rows"), marker.get("failed"))
-        same = (marker["members"] == shard.members if "members" in marker else
+        same = (marker["members"] == now["members"] if "members" in marker else
                 all(isinstance(n, int) for n in counts) and sum(counts) == len(shard.files))
         if not same:
             return "its files changed since it was done (added, removed or resized)"
+    # (a tar or Parquet marker from before markers recorded a stamp is trusted)
+    if "stamp" in now and marker.get("stamp", now["stamp"]) != now["stamp"]:
+        return f"{shard.source} was rewritten since it was done"
     recorded = marker.get("files")
     if recorded is None and marker.get("rows"):  # a marker that records no sizes
         part = marker.get("part") or ""
