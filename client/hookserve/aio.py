@@ -222,7 +222,7 @@ class Client(ClientBase):
                         yield arg
                 return
             except grpc.RpcError as exc:
-                delay = endpoints.failed(exc, index, attempt)
+                delay = endpoints.failed(exc, index, attempt, stream=True)
             finally:
                 sender.cancel()
                 call.cancel()

@@ -141,6 +141,9 @@ class Endpoints:
         self._down_until = [0.0] * len(self.addresses)
         self._lock = threading.Lock()
         self.closed = False
+        #: The smallest --max-message-bytes a server of these refused a stream's request
+        #: over: a stream's requests over it fail alone, and the stream goes on.
+        self.send_limit: int | None = None
 
     def _connect(self) -> list[Any]:
         if self.closed:
@@ -190,10 +193,18 @@ class Endpoints:
                     return i
             return min(range(n), key=self._down_until.__getitem__)  # all down: soonest back
 
-    def failed(self, exc: grpc.RpcError, index: int, attempt: int) -> float:
+    def failed(self, exc: grpc.RpcError, index: int, attempt: int,
+               stream: bool = False) -> float:
         """After a failed call on address `index`: raise the typed error, or return the
         seconds to wait before retrying elsewhere. On UNAVAILABLE the address is skipped
-        for a while (at least 1 s); the wait is the backoff only when no other is up."""
+        for a while (at least 1 s); the wait is the backoff only when no other is up.
+        A `stream` a server ended because a request was over its size limit starts
+        again at once, now that :attr:`send_limit` knows the limit (once per smaller
+        limit)."""
+        limit = errors.receive_limit(exc) if stream else None
+        if limit is not None and (self.send_limit is None or limit < self.send_limit):
+            self.send_limit = limit
+            return 0.0
         if exc.code() not in RETRYABLE:
             raise errors.from_rpc_error(exc) from None
         retry = self.policy.again(attempt)
@@ -226,4 +237,4 @@ class Endpoints:
                 yield from fn(self.stubs[index])
                 return
             except grpc.RpcError as exc:
-                time.sleep(self.failed(exc, index, attempt))
+                time.sleep(self.failed(exc, index, attempt, stream=True))

@@ -137,10 +137,21 @@ class Extraction:
             image_id, wire_id = default_id(obj, index), str(index)
         extra = self._extra(index)
         try:
-            return _Pending(index, image_id, self._encode(obj, wire_id, extra), extra=extra)
+            p = _Pending(index, image_id, self._encode(obj, wire_id, extra), extra=extra)
         except (OSError, TypeError, ValueError) as exc:
             return _Pending(index, image_id, None, errors.InvalidArgument(
                 f"could not read image {image_id!r}: {exc}"), extra)
+        self._hold_if_too_large(p)
+        return p
+
+    def _hold_if_too_large(self, p: _Pending) -> None:
+        """Fail an image whose request is over the server's size limit here (once
+        the limit is known): sent, it would end the whole stream."""
+        limit = self.endpoints.send_limit
+        if p.image is not None and limit is not None and len(p.image) > limit:
+            p.error = errors.ResourceExhausted(errors.over_limit_message(
+                f"image {p.id!r}: its request", len(p.image), limit))
+            p.image = None
 
     def pull(self) -> _Pending | None:
         """The next image admitted from a (sync) iterable, None once it ran out."""
@@ -157,6 +168,7 @@ class Extraction:
         yield SEND, self._spec_request()
         sent = 0
         for p in self.pending:  # re-send what the last stream left unanswered
+            self._hold_if_too_large(p)
             if p.image is not None:
                 yield SEND, p.image
                 sent += 1
