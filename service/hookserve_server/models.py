@@ -30,7 +30,7 @@ from .architectures import (
     without_aux_heads,
 )
 from .capture.reduce import DTYPES
-from .capture.table import LayerInfo, LayerTables, layer_names
+from .capture.table import LayerTable, LayerTables, layer_names
 from .checkpoints import (  # noqa: F401
     SAVE_HINT,
     classifier_left_out,
@@ -40,7 +40,7 @@ from .checkpoints import (  # noqa: F401
     read_state_dict,
 )
 from .config import ARCHITECTURES, WEIGHT_CHOICES  # noqa: F401  (models.WEIGHT_CHOICES)
-from .errors import ConfigError
+from .errors import ConfigError, InvalidArgument
 from .layouts import default_cam_layer
 from .logs import LOUD
 from .precision import Precision
@@ -283,18 +283,22 @@ class ServedModel:
         self.std = torch.tensor(self.defaults.std, device=device).view(1, 3, 1, 1)
         self.tables = LayerTables(name, arch, self.torch_dtype, weights.num_classes,
                                   weights.left_out, self.transform_input)
+        default_table = self.layer_table(*self.defaults.crop)
+        if default_table.stopped:   # the whole model must run at its own input size
+            raise InvalidArgument(default_table.stopped)
         #: layer name -> (module path, call index)
-        self.layer_index = layer_names(self.layer_table(*self.defaults.crop))
+        self.layer_index = layer_names(default_table)
         self.tables.trace_node_names(self.layer_index)
         #: The layer the CAM methods explain when none is named.
-        self.default_cam_layer = default_cam_layer(arch, self.layer_table(*self.defaults.crop),
-                                                   self.modules)
+        self.default_cam_layer = default_cam_layer(arch, default_table, self.modules)
 
     @property
     def has_head(self) -> bool:
         """Whether the model has a classifier head (NO_HEAD: its weights file had none)."""
         return self.weights.num_classes != NO_HEAD
 
-    def layer_table(self, height: int, width: int) -> dict[str, LayerInfo]:
-        """Every hookable layer at input HxW, in execution order (capture/table.py)."""
+    def layer_table(self, height: int, width: int) -> LayerTable:
+        """Every hookable layer at input HxW, in execution order (capture/table.py); at
+        an input too small for the whole model, those before the module that cannot
+        run (`stopped` says which)."""
         return self.tables.at(height, width)

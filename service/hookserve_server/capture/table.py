@@ -47,6 +47,20 @@ class LayerInfo:
     input_layout: Layout = Layout.UNSPECIFIED
 
 
+class LayerTable(dict):
+    """Layer name -> :class:`LayerInfo`, in execution order. At an input too small for
+    the whole model, the rows end before the first module that cannot run, and
+    `stopped` says which and why ("" when the whole model ran)."""
+
+    stopped: str = ""
+
+    def past_the_end(self, name: str) -> str:
+        """Why layer `name`, which is not in this (stopped) table, cannot be had."""
+        last = next(reversed(self))
+        return (f"layer {name} cannot be computed: {self.stopped}: send a larger input, "
+                f"or ask for a layer before it, such as {last}")
+
+
 #: Suffix that names a module's input instead of its output ("layer3:input").
 INPUT_SUFFIX = ":input"
 
@@ -62,7 +76,11 @@ def entry(table: dict[str, LayerInfo], name: str) -> LayerInfo:
     """The table's row for a layer name; for ``"<layer>:input"`` the row describes the
     input (name, shape and bytes are the input's; order is the layer's)."""
     base, on_input = split_input_name(name)
-    li = table[base]
+    li = table.get(base)
+    if li is None:
+        if getattr(table, "stopped", ""):
+            raise InvalidArgument(table.past_the_end(name))
+        raise KeyError(name)
     if not on_input:
         return li
     return dataclasses.replace(li, name=name, shape=li.input_shape,
@@ -106,8 +124,10 @@ class LayerTables:
         #: by `trace_node_names`, when the model is set up)
         self._fx: dict[str, FxNode] = {}
 
-    def at(self, height: int, width: int) -> dict[str, LayerInfo]:
-        """Every hookable layer at input HxW, in execution order (cached, LRU)."""
+    def at(self, height: int, width: int) -> LayerTable:
+        """Every hookable layer at input HxW, in execution order (cached, LRU); at an
+        input too small for the whole model, those before the first module that
+        cannot run (:class:`LayerTable`)."""
         key = (int(height), int(width))
         with self._lock:
             table = self._tables.get(key)
@@ -152,8 +172,9 @@ class LayerTables:
         with tracing(), self._lock:   # the lock: no dry run of the copy meanwhile
             self._fx = fx_nodes(self._meta, layers)
 
-    def _dry_run(self, height: int, width: int) -> dict[str, LayerInfo]:
+    def _dry_run(self, height: int, width: int) -> LayerTable:
         found: list[tuple[str, str, str, torch.Tensor]] = []
+        running: list[tuple[str, str, tuple]] = []   # module calls begun, not yet ended
         calls: dict[str, int] = {}
         inputs: dict[str, torch.Tensor] = {}   # layer name -> its input
         # layer name -> (module path, type, what it returned or took, layers found before)
@@ -167,6 +188,8 @@ class LayerTables:
             def pre_hook(m, args, path=path):
                 k = calls.get(path, 0)
                 name = path if k == 0 else f"{path}_{k}"
+                running.append((name, type(m).__name__, tuple(args[0].shape[1:]) if args
+                                and isinstance(args[0], torch.Tensor) else ()))
                 if args and isinstance(args[0], torch.Tensor):
                     inputs[name] = args[0]
                     starts[name] = len(found)
@@ -175,6 +198,7 @@ class LayerTables:
                     odd[name + INPUT_SUFFIX] = (path, type(m).__name__, what, len(found))
 
             def hook(m, args, out, path=path):
+                running.pop()
                 k = calls.get(path, 0)
                 calls[path] = k + 1
                 name = path if k == 0 else f"{path}_{k}"
@@ -185,18 +209,25 @@ class LayerTables:
 
             handles.append(mod.register_forward_pre_hook(pre_hook))
             handles.append(mod.register_forward_hook(hook))
+        stopped = ""
         try:
             x = torch.empty(1, 3, height, width, device="meta", dtype=self.dtype)
             with torch.inference_mode():
                 self._meta(x)
         except (RuntimeError, AssertionError) as exc:  # (torchvision asserts vit's size)
-            raise InvalidArgument(
-                f"input {height}x{width} is too small or invalid for {self.model_name}: "
-                f"{str(exc).strip()[:300]}") from None
+            why = str(exc).strip()[:300]
+            if not found or not running:   # not even the first layer: the input is wrong
+                raise InvalidArgument(f"input {height}x{width} is too small or invalid for "
+                                      f"{self.model_name}: {why}") from None
+            name, typ, shape = running[-1]   # the innermost module that failed
+            stopped = (f"at input {height}x{width}, {name} ({typ}) of {self.model_name} "
+                       f"cannot run on its input of shape [{', '.join(map(str, shape))}] "
+                       f"({why})")
         finally:
             for h in handles:
                 h.remove()
-        table = {}
+        table = LayerTable()
+        table.stopped = stopped
         for order, (name, path, typ, out) in enumerate(found):
             shape, nbytes = _per_image(out)
             in_shape, in_bytes = _per_image(inputs[name]) if name in inputs else ((), 0)

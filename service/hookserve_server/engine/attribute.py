@@ -183,6 +183,9 @@ def attribution_sizes(limits: Limits, m: ServedModel, spec: AttributionSpec, h: 
     """(answer, memory) bytes per image at input HxW; refuses what cannot fit."""
     limits.input_size(f"model input {h}x{w} is", h, w, fix="downscale the image or resize")
     table = m.layer_table(h, w)
+    if table.stopped:   # the class scores need the whole model
+        raise InvalidArgument(f"Attribute explains the model's class scores, which need "
+                              f"the whole model: {table.stopped}: send a larger input")
     k = spec.targets_per_image
     if spec.method.is_cam:
         e = entry(table, spec.layer)

@@ -93,7 +93,10 @@ def attribution_memory(m: ServedModel, h: int, w: int, layer: str | None,
 def gradient_bytes(m: ServedModel, h: int, w: int, layer: str | None = None,
                    targets: int = 1) -> int:
     """Memory one image holds alone in an Attribute job of `m` at input HxW (for the
-    input-space methods: what DescribeModel reports)."""
+    input-space methods: what DescribeModel reports); 0 where the input is too small
+    for the whole model, so Attribute cannot run."""
+    if m.layer_table(h, w).stopped:
+        return 0
     return attribution_memory(m, h, w, layer, targets).per_image
 
 
