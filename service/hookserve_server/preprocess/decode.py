@@ -24,6 +24,16 @@ def _mpx(n: int) -> str:
     return f"{n:,} pixels ({n / 1e6:.1f} Mpx)"
 
 
+#: The most scans a JPEG may hold. Encoders write 1 to 3 (baseline) or about 10
+#: (progressive). A decoder makes a pass over the whole image per scan, so a small
+#: file of thousands of tiny scans would hold a decoding thread for minutes.
+MAX_JPEG_SCANS = 256
+#: The marker that starts a scan. Entropy-coded data never holds it (a 0xFF byte
+#: there is followed by 0x00 or a restart marker), so counting it counts the scans
+#: (and those of an embedded thumbnail).
+_SOS = b"\xff\xda"
+
+
 #: EXIF orientations that swap width and height (transpose, rotate 90/270, transverse).
 _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 
@@ -93,6 +103,11 @@ def _open(data: bytes | None, max_pixels: int) -> Image.Image:
     w, h = img.size
     if w <= 0 or h <= 0:
         raise InvalidArgument(f"image has no pixels ({w}x{h})")
+    if fmt in ("JPEG", "MPO") and (scans := data.count(_SOS)) > MAX_JPEG_SCANS:
+        raise InvalidArgument(
+            f"this JPEG holds {scans} scans, over the limit of {MAX_JPEG_SCANS}: a decoder "
+            "passes over the whole image once per scan, so it would take long to decode; "
+            "re-encode it (encoders write at most a few dozen scans)")
     if w * h > max_pixels:
         raise InvalidArgument(
             f"image is {w}x{h} = {_mpx(w * h)}, over this server's limit of "
