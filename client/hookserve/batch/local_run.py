@@ -81,13 +81,24 @@ def plan(paths: list[str], done: dict, cap: Cap | None = None
     return work, failures, skipped
 
 
+def _say_unlisted(done: dict, listed: list[str]) -> None:
+    """Say how many rows of the output are of files the inputs no longer list
+    (deleted, renamed, or named by another run's inputs): they are kept."""
+    ids = {encode_name(p) for p in listed}
+    gone = [i for i in done if i not in ids]
+    if gone:
+        print(f"hookserve batch: the output holds {len(gone)} rows of files these inputs "
+              f"do not list (deleted, renamed, or another run's inputs; first: "
+              f"{min(gone)}); they are kept", file=sys.stderr)
+
+
 def run_local(args: argparse.Namespace) -> int:
     """`hookserve batch` over local files into one output; -> the exit code. Raises
     :class:`~.errors.Abort` when the run cannot start."""
     try:
         shard = parse_shard(args.shard) if args.shard is not None else None
-        paths = select_shard(discover(args.inputs, path_column=args.path_column,
-                                      root=args.root), shard)
+        listed = discover(args.inputs, path_column=args.path_column, root=args.root)
+        paths = select_shard(listed, shard)
     except (InputError, ValueError, OSError) as exc:
         raise Abort(str(exc)) from None
     layers = parse_layers(args.layers, args.reduction, args.dtype, args.l2_normalize)
@@ -106,7 +117,10 @@ def run_local(args: argparse.Namespace) -> int:
             sink.open()
         except OutputError as exc:
             raise Abort(str(exc)) from None
-        work, failures, skipped = plan(paths, sink.done(), cap)
+        done = sink.done()
+        work, failures, skipped = plan(paths, done, cap)
+        if shard is None:
+            _say_unlisted(done, listed)
         errs = ErrorsFile(errors_path(args))
         for f in failures:
             errs.add(*f)

@@ -137,10 +137,11 @@ class ShardOutput:
         stamp = self.stamps.get(shard.source)
         return {} if stamp is None else {"stamp": stamp}
 
-    def retire(self, shards: list[Shard]) -> None:
-        """Remove the part, errors file and marker of listing shards that have no file
-        any more (`shard_plan.vanished`), where an earlier run wrote them; noted in
-        :attr:`notes`."""
+    def retire(self, shards: list[Shard], why: str = "no file of the input is in it any "
+               "more") -> None:
+        """Remove the part, errors file and marker of shards an earlier run wrote, which
+        hold no file of the inputs now (`shard_plan.vanished`), or files this run writes
+        under other shards (`shard_plan.covered`); noted in :attr:`notes`."""
         tops = _tops(self.files())
         for shard in shards:
             names = _owned(shard.sid, self.fmt, tops)
@@ -148,8 +149,22 @@ class ShardOutput:
                 continue
             for name in names:   # the marker last: a kill leaves a shard to retire again
                 self.loc.delete(name)
-            self.notes.append(f"shard {shard.key}: no file of the input is in it any more; "
-                              "its rows are removed")
+            self.notes.append(f"shard {shard.key}: {why}; its rows are removed")
+
+    def others(self, planned: set[str]) -> list[str]:
+        """The keys of the finished shards in the output that are not among `planned`
+        (sids): shards of inputs this run does not name, or names otherwise."""
+        names = sorted(n for n in self.files() if n.startswith("_done-")
+                       and n.endswith(".json") and n[6:-5] not in planned)
+        keys = []
+        for text in self.loc.read_many(names).values():
+            try:
+                key = json.loads(text).get("shard") if text is not None else None
+            except (ValueError, AttributeError):
+                key = None
+            if isinstance(key, str):
+                keys.append(key)
+        return keys
 
     def forget(self, shard: Shard) -> None:
         """Delete the shard's marker (an invalid one, before the shard is redone)."""

@@ -26,6 +26,7 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import glob as _glob
 import hashlib
@@ -33,7 +34,15 @@ import os
 from dataclasses import dataclass, field
 
 from .defaults import DEFAULTS
-from .inputs import encode_name, is_image, listed_paths, name_digest, shard_of
+from .inputs import (
+    LIST_EXTS,
+    TABLE_EXTS,
+    encode_name,
+    is_image,
+    listed_paths,
+    name_digest,
+    shard_of,
+)
 from .readers import ShardError, is_tar, open_seekable
 from .remote import expand_braces, filesystem, is_url, walk_files
 
@@ -71,6 +80,24 @@ class Shard:
                                      self.sizes or (-1,) * len(self.files), strict=True)):
             h.update(f"{name}\t{size}\n".encode())
         return h.hexdigest()
+
+
+def key_input(spec: str) -> str:
+    """An input as shard keys name it: one spelling per input (``imgs``, ``imgs/`` and
+    ``./imgs`` list the same files under the same ids, so they are one input)."""
+    if is_url(spec):
+        scheme, _, rest = spec.partition("://")
+        return f"{scheme}://{rest.rstrip('/')}" if rest.strip("/") else spec
+    return os.path.normpath(spec)
+
+
+def key_source(key: str) -> str:
+    """The input a listing shard's key names, or the tar or Parquet file of any other."""
+    base, sep, rest = key.rpartition("#")
+    if sep and (rest.startswith("rg=") or (rest.count("/") == 1
+                                           and rest.replace("/", "").isdigit())):
+        return base
+    return key
 
 
 def select(shards: list[Shard], shard: tuple[int, int] | None) -> list[Shard]:
@@ -152,11 +179,13 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
     for spec0 in specs:
         for spec in expand_braces(spec0):
             if is_tar(spec) and not _glob.has_magic(spec):
-                shards.setdefault(spec, Shard(spec, "tar", spec))  # named: no request
+                tar = key_input(spec)
+                shards.setdefault(tar, Shard(tar, "tar", tar))  # named: no request
                 continue
             files: dict[str, int] = {}
             names = listed_paths(spec, path_column, image_column)
-            from_list = names is not None
+            # a list names files, and a glob means every file it matches, images or not
+            from_list = names is not None or _glob.has_magic(spec)
             if names is not None:
                 listed = [(p, -1) for p in names]  # paths or URLs
             elif is_url(spec) and is_image(spec) and not _glob.has_magic(spec):
@@ -180,7 +209,7 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
             for f in files:
                 buckets.setdefault(shard_of(encode_name(f), listing_shards), []).append(f)
             for b, members in buckets.items():
-                key = f"{encode_name(spec)}#{b}/{listing_shards}"
+                key = f"{encode_name(key_input(spec))}#{b}/{listing_shards}"
                 shards[key] = Shard(key, "files", spec, files=tuple(members),
                                     sizes=tuple(files[f] for f in members),
                                     whole=report is None or spec not in report.partial)
@@ -202,10 +231,40 @@ def vanished(specs: list[str], shards: list[Shard], listing_shards: int,
             if spec in keep or (is_tar(spec) and not _glob.has_magic(spec)):
                 continue
             for b in range(listing_shards):
-                key = f"{encode_name(spec)}#{b}/{listing_shards}"
+                key = f"{encode_name(key_input(spec))}#{b}/{listing_shards}"
                 if key not in planned:
                     gone.append(Shard(key, "files", spec))
     return gone
+
+
+def covered(key: str, specs: list[str], planned: set[str], report: PlanReport) -> bool:
+    """Whether a shard an earlier run wrote, which this run does not plan, holds files
+    this run's inputs cover: its own input spelled otherwise (``imgs/`` for ``imgs``),
+    a folder, glob, tar or Parquet file below a folder this run lists (gone, or now
+    listed with the rest of the folder), or a file one of this run's globs matches.
+    Its rows are then removed: this run writes those files' rows where it puts them.
+    A list or table of paths is covered only by its own key (it may name files
+    anywhere), and inputs that listed nothing or missed a folder cover nothing."""
+    src = key_source(key)
+    if encode_name(key_input(src)) + key[len(src):] in planned:
+        return True
+    listing = key != src and not key[len(src):].startswith("#rg=")
+    if listing and os.path.splitext(src)[1].lower() in LIST_EXTS | TABLE_EXTS:
+        return False
+    norm = key_input(src)
+    for spec0 in specs:
+        for spec in expand_braces(spec0):
+            if spec in report.empty or spec in report.partial:
+                continue
+            base = encode_name(key_input(spec))
+            if _glob.has_magic(spec):
+                if fnmatch.fnmatchcase(norm, base):
+                    return True
+            elif (os.path.isdir(spec) if not is_url(spec) else
+                  not (is_tar(spec) or is_image(spec))) and \
+                    norm.startswith(base.rstrip("/") + "/"):
+                return True
+    return False
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,

@@ -51,7 +51,15 @@ from .remote import (
     set_store_timeout,
 )
 from .shard_output import ShardOutput, ShardResult, present
-from .shard_plan import PlanReport, Shard, ShardError, plan_shards, select, vanished
+from .shard_plan import (
+    PlanReport,
+    Shard,
+    ShardError,
+    covered,
+    plan_shards,
+    select,
+    vanished,
+)
 from .sinks.base import OutputError
 from .spec import connect, describe_and_check, parse_layers
 from .streamcall import Watchdog
@@ -145,16 +153,36 @@ def run_sharded(args: argparse.Namespace) -> int:
         try:
             done = output.done(mine)
             output.retire(gone)
+            kept = _others(args, output, shards, report)
         except Exception as exc:  # noqa: BLE001 - the output store failed
             raise Abort(f"cannot read the output {args.out}: {one_line(exc)}") from None
         for note in output.notes:
             print(f"hookserve batch: {note}", file=sys.stderr)
+        if kept:
+            print(f"hookserve batch: the output also holds {len(kept)} finished shards of "
+                  f"inputs this run does not name (first: {kept[0]}); their rows are "
+                  "kept", file=sys.stderr)
         todo = [s for s in mine if s.sid not in done]
         t0 = time.monotonic()
         results, fatal, interrupted = _run_pool(args, client, todo, output, layers, xopts,
                                                 read_opts(args, opts, cap))
     return _report(args, results, fatal, interrupted, len(mine) - len(todo), len(todo),
                    time.monotonic() - t0)
+
+
+def _others(args, output: ShardOutput, shards: list[Shard], report: PlanReport
+            ) -> list[str]:
+    """Remove the shards an earlier run wrote whose files this run's inputs cover
+    (`shard_plan.covered`); -> the keys of the other shards not planned, kept."""
+    planned = {s.key for s in shards}
+    kept, covering = [], []
+    for key in output.others({s.sid for s in shards}):
+        if covered(key, args.inputs, planned, report):
+            covering.append(Shard(key, "files", key))
+        else:
+            kept.append(key)
+    output.retire(covering, "its files are listed by this run's inputs, in other shards")
+    return kept
 
 
 def _report(args, results: list[ShardResult], fatal, interrupted: bool, skipped: int,

@@ -1,0 +1,144 @@
+"""One file, one row: however a sharded run's inputs are spelled or regrouped between
+runs, each image of the inputs has exactly one row in the output.
+
+- The same input spelled otherwise (``imgs``, ``imgs/``, ``./imgs``) is the same
+  shards: the rerun skips them.
+- Inputs regrouped (``imgs imgs/d0``, then ``imgs/d0/*.png imgs``, then ``imgs``):
+  the shards an earlier run wrote for files the inputs now list elsewhere are removed.
+- A tar gone from a listed folder loses its rows, like a listing shard emptied.
+- Shards of inputs the run does not name at all (another data set written to the
+  same output, a folder renamed) are kept, and the run says so.
+- A glob means every file it matches, as in the local run.
+- The local run says how many of its rows are of files its inputs no longer list.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from bulk_faults import markers, read_out, run_batch, tar_bytes
+from conftest import encode, rand_image
+
+FLAGS = ("--sharded", "--listing-shards", "3")
+
+
+def _images(folder, n: int, seed: int, sub: str = "") -> list[str]:
+    where = folder / sub if sub else folder
+    where.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i in range(n):
+        p = where / f"{i:02d}.png"
+        p.write_bytes(encode(rand_image(32, 32, seed=seed + i)))
+        names.append(os.path.normpath(str(p)))
+    return names
+
+
+def _run(server, inputs, out, capsys, *flags, code: int = 0) -> str:
+    capsys.readouterr()
+    assert run_batch(server, [str(i) for i in inputs], out, *flags) == code
+    return capsys.readouterr().err
+
+
+def _ids(out) -> list[str]:
+    ids = read_out(str(out))[0]
+    assert len(ids) == len(set(ids)), sorted(ids)   # one row per image
+    return sorted(ids)
+
+
+def test_one_input_spelled_three_ways_is_one_set_of_shards(det_server, tmp_path, capsys,
+                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    want = sorted(os.path.normpath(p) for p in _images(tmp_path / "imgs", 6, 200))
+    want = [os.path.relpath(p, tmp_path) for p in want]
+    out = tmp_path / "o.parquet"
+    _run(det_server, ["imgs"], out, capsys, *FLAGS)
+    for spelling in ("imgs/", "./imgs", "imgs//"):
+        err = _run(det_server, [spelling], out, capsys, *FLAGS)
+        assert "done 0," in err and "removed" not in err, err
+    assert _ids(out) == want
+
+
+def test_regrouped_inputs_keep_one_row_per_image(det_server, tmp_path, capsys):
+    imgs = tmp_path / "imgs"
+    want = sorted(_images(imgs, 4, 210) + _images(imgs, 3, 220, "d0"))
+    out = tmp_path / "o.parquet"
+    for inputs in ([imgs, imgs / "d0"], [imgs / "d0" / "*.png", imgs], [imgs]):
+        err = _run(det_server, inputs, out, capsys, *FLAGS)
+        assert _ids(out) == want, err
+    assert "its files are listed by this run's inputs, in other shards; its rows are " \
+           "removed" in err, err
+
+
+def test_a_tar_gone_from_a_listed_folder_loses_its_rows(det_server, tmp_path, capsys):
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    for t in range(3):
+        (tars / f"{t}.tar").write_bytes(tar_bytes(
+            [(f"{t}{i}.png", encode(rand_image(32, 32, seed=230 + 10 * t + i)))
+             for i in range(2)]))
+    out = tmp_path / "o.parquet"
+    _run(det_server, [tars], out, capsys, "--sharded")
+    assert len(_ids(out)) == 6
+    (tars / "1.tar").unlink()
+    err = _run(det_server, [tars], out, capsys, "--sharded")
+    assert f"shard {tars}/1.tar: its files are listed by this run's inputs" in err, err
+    assert _ids(out) == sorted(f"{tars}/{t}.tar/{t}{i}.png" for t in (0, 2) for i in range(2))
+    assert len(markers(str(out))) == 2
+
+
+def test_shards_of_inputs_the_run_does_not_name_are_kept_and_said(det_server, tmp_path,
+                                                                   capsys):
+    a = _images(tmp_path / "a", 3, 240)
+    b = _images(tmp_path / "b", 3, 250)
+    out = tmp_path / "o.parquet"
+    _run(det_server, [tmp_path / "a"], out, capsys, *FLAGS)
+    err = _run(det_server, [tmp_path / "b"], out, capsys, *FLAGS)   # another data set
+    assert "the output also holds" in err and "their rows are kept" in err, err
+    assert _ids(out) == sorted(a + b)
+    shutil.move(tmp_path / "b", tmp_path / "b2")                  # a folder renamed
+    err = _run(det_server, [tmp_path / "a", tmp_path / "b2"], out, capsys, *FLAGS)
+    assert f"finished shards of inputs this run does not name (first: {tmp_path / 'b'}#" \
+           in err, err
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_glob_means_every_file_it_matches(det_server, tmp_path, capsys, sharded):
+    gx = tmp_path / "gx"
+    _images(gx, 2, 260)
+    img = encode(rand_image(32, 32, seed=270))
+    for name in ("b0.dat", "b1.image"):
+        (gx / name).write_bytes(img)
+    (gx / "notes.txt").write_bytes(b"not an image")
+    out = tmp_path / "o.parquet"
+    flags = FLAGS if sharded else ()
+    _run(det_server, [gx / "*"], out, capsys, *flags, code=1)   # notes.txt: an error row
+    ids, codes = read_out(str(out)) if sharded else (None, None)
+    if sharded:
+        assert sorted(ids) == sorted(str(gx / n) for n in ("00.png", "01.png", "b0.dat",
+                                                           "b1.image"))
+        assert codes == {str(gx / "notes.txt"): "INVALID_ARGUMENT"}
+
+
+def test_the_local_run_says_rows_of_files_no_longer_listed(det_server, tmp_path, capsys):
+    names = _images(tmp_path / "imgs", 4, 280)
+    out = tmp_path / "o.parquet"
+    _run(det_server, [tmp_path / "imgs"], out, capsys)
+    os.unlink(names[0])
+    err = _run(det_server, [tmp_path / "imgs"], out, capsys)
+    assert f"the output holds 1 rows of files these inputs do not list (deleted, renamed, " \
+           f"or another run's inputs; first: {names[0]}); they are kept" in err, err
+
+
+def test_an_input_has_one_spelling_in_shard_keys():
+    from hookserve.batch.shard_plan import key_input, key_source
+
+    assert {key_input(s) for s in ("imgs", "imgs/", "./imgs", "imgs//", "x/../imgs")} == \
+        {"imgs"}
+    assert key_input("s3://b/imgs/") == key_input("s3://b/imgs") == "s3://b/imgs"
+    assert key_input("memory://") == "memory://"
+    assert key_source("s3://b/imgs#2/8") == "s3://b/imgs"
+    assert key_source("d/t.parquet#rg=3") == "d/t.parquet"
+    assert key_source("d/0.tar") == "d/0.tar" and key_source("d/a#b.tar") == "d/a#b.tar"
