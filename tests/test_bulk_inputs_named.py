@@ -142,3 +142,45 @@ def test_an_input_has_one_spelling_in_shard_keys():
     assert key_source("s3://b/imgs#2/8") == "s3://b/imgs"
     assert key_source("d/t.parquet#rg=3") == "d/t.parquet"
     assert key_source("d/0.tar") == "d/0.tar" and key_source("d/a#b.tar") == "d/a#b.tar"
+
+
+NAMES = ["plain.png", "50%.png", "Cat%20photo.png", "caf%E9.png", "caf%25E9.png",
+         "caf%e9.png", "%2525.png", "caf\udce9.png", "caf\udce9%E9.png", "%\udcff%25.png"]
+
+
+def test_ids_are_one_to_one_and_give_the_name_back():
+    from hookserve.batch import decode_name, encode_name
+
+    ids = [encode_name(n) for n in NAMES]
+    assert len(set(ids)) == len(ids), ids
+    assert all(i.encode("utf-8") for i in ids)   # valid UTF-8, every one
+    assert [decode_name(i) for i in ids] == [os.fsencode(n) for n in NAMES]
+    assert ids[:3] == NAMES[:3] and ids[5] == NAMES[5]   # readable names stay as they are
+
+
+@pytest.mark.parametrize("out, sharded", [("o.parquet", False), ("o_npy", False),
+                                          ("o.parquet", True)])
+def test_a_name_like_an_escaped_one_gets_its_own_row(det_server, tmp_path, capsys, out,
+                                                     sharded):
+    enc = tmp_path / "enc"
+    enc.mkdir()
+    a, b = encode(rand_image(32, 32, seed=290)), encode(rand_image(32, 32, seed=291))
+    (enc / "caf%E9.png").write_bytes(a)
+    with open(os.fsencode(enc) + b"/caf\xe9.png", "wb") as fh:
+        fh.write(b)
+    flags = FLAGS if sharded else ()
+    for _ in range(2):   # the rerun finds both rows
+        err = _run(det_server, [enc], tmp_path / out, capsys, *flags)
+        assert "failed 0" in err or "failed" not in err, err
+    if sharded:
+        assert _ids(tmp_path / out) == sorted([f"{enc}/caf%25E9.png", f"{enc}/caf%E9.png"])
+
+
+def test_a_row_written_under_an_earlier_id_is_found_on_resume(tmp_path):
+    from hookserve.batch.local_run import plan
+
+    p = tmp_path / "caf%E9.png"
+    p.write_bytes(b"x")
+    st = os.stat(p)
+    work, failures, skipped = plan([str(p)], {str(p): (st.st_size, st.st_mtime_ns)})
+    assert (work, failures, skipped) == ([], [], 1)

@@ -12,7 +12,8 @@ de-duplicated and sorted, so the order is the same on every run of the same comm
 A file name that is not valid UTF-8 (any name a POSIX filesystem allows) cannot be
 written as text as it is: its id is :func:`encode_name` of it, where each byte that does
 not decode, and each ``%``, becomes ``%XX``; :func:`decode_name` gives the bytes back.
-Valid UTF-8 names are their own ids.
+Valid UTF-8 names are their own ids, unless they hold what escaping writes (``%25``,
+``%80`` to ``%FF``): those are escaped too, so no two names share an id.
 
 Only regular files are read (:func:`read_bytes`): a FIFO, socket or device, a file that
 vanished or changed since it was listed, or one over ``--max-file-bytes`` fails alone,
@@ -182,26 +183,42 @@ def select_shard(paths: list[str], shard: tuple[int, int] | None) -> list[str]:
 
 
 _SURROGATE = re.compile("[%\udc80-\udcff]")
-_PERCENT = re.compile("%([0-9A-F]{2})")
+#: What escaping writes: "%25" for a "%", "%80" to "%FF" for a byte that does not decode.
+_ESCAPES = re.compile("%(25|[89A-F][0-9A-F])")
 
 
 def encode_name(path: str) -> str:
     """The id of a path (as ``os`` functions return it): the path itself when it is
-    valid UTF-8; otherwise each byte that does not decode and each ``%`` as ``%XX``."""
+    valid UTF-8 and holds nothing escaping writes (``%25``, or ``%80`` to ``%FF``);
+    otherwise each byte that does not decode and each ``%`` as ``%XX``. An escaped id
+    always holds one of those, an unescaped one never: two names never share an id."""
     try:
         path.encode("utf-8")
-        return path
+        if not _ESCAPES.search(path):
+            return path
     except UnicodeEncodeError:
-        return _SURROGATE.sub(lambda m: "%25" if m.group() == "%" else
-                              f"%{ord(m.group()) - 0xDC00:02X}", path)
+        pass
+    return _SURROGATE.sub(lambda m: "%25" if m.group() == "%" else
+                          f"%{ord(m.group()) - 0xDC00:02X}", path)
+
+
+def legacy_id(path: str) -> str | None:
+    """The id earlier versions gave `path`, where it differs from today's: a valid
+    UTF-8 name holding ``%25`` or ``%80`` to ``%FF`` was its own id (a resumed run
+    finds its row under that id)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return path if _ESCAPES.search(path) else None
 
 
 def decode_name(image_id: str) -> bytes:
-    """The file name bytes an id stands for (inverse of :func:`encode_name` for names
-    that are not valid UTF-8; a valid name is its own id: try it as a path first)."""
-    return os.fsencode(_PERCENT.sub(lambda m: chr(0xDC00 + int(m.group(1), 16))
-                                    if int(m.group(1), 16) >= 0x80 else chr(int(m.group(1), 16)),
-                                    image_id))
+    """The file name bytes an id stands for (the inverse of :func:`encode_name`)."""
+    if not _ESCAPES.search(image_id):
+        return os.fsencode(image_id)
+    return os.fsencode(_ESCAPES.sub(lambda m: "%" if m.group(1) == "25" else
+                                    chr(0xDC00 + int(m.group(1), 16)), image_id))
 
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR,

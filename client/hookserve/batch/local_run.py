@@ -34,6 +34,7 @@ from .inputs import (
     InputError,
     discover,
     encode_name,
+    legacy_id,
     not_regular,
     parse_shard,
     select_shard,
@@ -65,6 +66,8 @@ def plan(paths: list[str], done: dict, cap: Cap | None = None
                              f"{what}, not a regular file: only regular files are read"))
             continue
         prev = done.get(name)
+        if prev is None and (old := legacy_id(p)) is not None:
+            prev = done.get(old)   # written by an earlier version under another id
         if prev is not None:
             if (prev[0], prev[1]) == (st.st_size, st.st_mtime_ns):
                 skipped += 1
@@ -84,7 +87,7 @@ def plan(paths: list[str], done: dict, cap: Cap | None = None
 def _say_unlisted(done: dict, listed: list[str]) -> None:
     """Say how many rows of the output are of files the inputs no longer list
     (deleted, renamed, or named by another run's inputs): they are kept."""
-    ids = {encode_name(p) for p in listed}
+    ids = {encode_name(p) for p in listed} | {legacy_id(p) for p in listed}
     gone = [i for i in done if i not in ids]
     if gone:
         print(f"hookserve batch: the output holds {len(gone)} rows of files these inputs "
@@ -238,7 +241,7 @@ def _dry_run(args, paths: list[str]) -> int:
         done = peek_done(out)
     except Exception as exc:  # noqa: BLE001 - a dry run only reports
         print(f"note: cannot read {out}: {exc}", file=sys.stderr)
-    already = sum(1 for p in paths if encode_name(p) in done)
+    already = sum(1 for p in paths if encode_name(p) in done or legacy_id(p) in done)
     shard = f" in shard {args.shard}" if args.shard else ""
     print(f"{len(paths)} images{shard}; {already} already in {out}; "
           f"{len(paths) - already} to extract")
