@@ -249,19 +249,52 @@ def test_a_whole_classifier_left_out_serves_the_backbone(make_server, tmp_path, 
     torch.manual_seed(9)
     ref = torchvision.models.get_model(arch, weights=None).eval()
     ref.classifier = torch.nn.Identity()
+    m, last, got = _classifier_served(make_server, tmp_path, arch, ref)
+    assert m.num_classes == 0 and (last.name, last.type) == ("classifier", "Identity")
+    assert got.shape == features
+
+
+def _classifier_served(make_server, tmp_path, arch: str, ref: torch.nn.Module):
+    """Serve `ref`'s state_dict; -> (its ModelInfo, its last layer, the served
+    `classifier` output), checked equal to `ref`'s own."""
     path = tmp_path / f"{arch}.pt"
     torch.save(ref.state_dict(), path)
     s = make_server("--model", arch, "--weights", str(path))
     img = rand_image(SIDE, SIDE, seed=4)
     with s.client(timeout=120) as c:
         (m,) = c.list_models()
-        layers = c.describe(arch, SIDE).layers
+        last = c.describe(arch, SIDE).layers[-1]
         got = c.extract(img, ["classifier"], model=arch, resize=SIDE, crop=SIDE)
-    assert m.num_classes == 0 and (layers[-1].name, layers[-1].type) == ("classifier",
-                                                                         "Identity")
     want = hooked(ref, img, ["classifier"], m.mean, m.std)
-    assert got["classifier"].shape == features
     np.testing.assert_allclose(got["classifier"], want["classifier"], rtol=1e-4, atol=1e-4)
+    return m, last, got["classifier"]
+
+
+@pytest.mark.parametrize("arch", ["mobilenet_v3_small", "efficientnet_b0", "vgg11",
+                                  "alexnet"])
+def test_a_classifier_fine_tuned_as_one_linear_is_served(make_server, tmp_path, arch):
+    """``model.classifier = nn.Linear(in, 10)`` (the whole classifier, hidden layers and
+    dropout with it, replaced by one Linear): the file's Linear is served in its place,
+    and its logits equal the user's own model's."""
+    torch.manual_seed(11)
+    ref = torchvision.models.get_model(arch, weights=None).eval()
+    first = next(m for m in ref.classifier.modules() if isinstance(m, torch.nn.Linear))
+    ref.classifier = torch.nn.Linear(first.in_features, CLASSES)
+    m, last, _ = _classifier_served(make_server, tmp_path, arch, ref)
+    assert m.num_classes == CLASSES
+    assert (last.name, last.type, last.shape) == ("classifier", "Linear", (CLASSES,))
+
+
+def test_a_classifier_replaced_by_a_linear_it_cannot_stand_for_is_named(tmp_path):
+    """convnext's classifier normalises and flattens before its Linear: a Linear in its
+    place is a head of another shape, said as such."""
+    ref = torchvision.models.get_model("convnext_tiny", weights=None)
+    ref.classifier = torch.nn.Linear(768, CLASSES)
+    path = tmp_path / "cnx.pt"
+    torch.save(ref.state_dict(), path)
+    with pytest.raises(ConfigError, match=r"its classifier head \(classifier.weight, "
+                       r"classifier.bias\) is not torchvision's convnext_tiny head"):
+        build_model("convnext_tiny", str(path))
 
 
 def test_a_head_of_another_shape_is_named_in_one_line(tmp_path):

@@ -58,11 +58,13 @@ TRANSFORM_INPUT = ("googlenet", "inception_v3")
 
 
 def build(arch: str, num_classes: int | None = None, transform_input: bool = False,
-          left_out: tuple[str, ...] = ()) -> nn.Module:
+          left_out: tuple[str, ...] = (), linear_head: str = "") -> nn.Module:
     """`arch` with random weights (on the current default device), with `num_classes`
     outputs (None: the architecture's default; NO_HEAD: none, the modules `left_out`,
     by default the head's layers, are nn.Identity), re-normalising its input inside
-    the model when `transform_input` (TRANSFORM_INPUT architectures only).
+    the model when `transform_input` (TRANSFORM_INPUT architectures only). With
+    `linear_head`, that container of the head (``classifier``) is one nn.Linear to
+    `num_classes`, as ``model.classifier = nn.Linear(...)`` fine-tunes it.
     ``timm:<name>`` builds a timm model, never downloading weights."""
     if is_timm(arch):   # (timm's num_classes=0 is its own model without a head)
         kwargs = {} if num_classes is None else {"num_classes": num_classes}
@@ -77,6 +79,10 @@ def build(arch: str, num_classes: int | None = None, transform_input: bool = Fal
     if num_classes == NO_HEAD:
         for path in left_out or head_modules(head_keys(model, default_classes(model))):
             model.set_submodule(path, nn.Identity())
+    if linear_head:
+        first = next(m for m in model.get_submodule(linear_head).modules()
+                     if isinstance(m, nn.Linear))
+        model.set_submodule(linear_head, nn.Linear(first.in_features, int(num_classes or 0)))
     return model
 
 
@@ -104,15 +110,15 @@ def timm_transforms(arch: str) -> tuple[int, tuple[int, int], tuple, tuple, str]
 
 
 def build_meta(arch: str, num_classes: int | None = None, left_out: tuple[str, ...] = (),
-               transform_input: bool = False) -> nn.Module:
+               transform_input: bool = False, linear_head: str = "") -> nn.Module:
     """`arch` on the meta device (shapes, no memory), built as `build` builds it. A
     builder that computes with tensors (regnet's widths) cannot run there: it is built
     on the CPU and moved."""
     try:
         with torch.device("meta"):
-            return build(arch, num_classes, transform_input, left_out=left_out)
+            return build(arch, num_classes, transform_input, left_out, linear_head)
     except (NotImplementedError, RuntimeError):
-        return build(arch, num_classes, transform_input, left_out=left_out).to("meta")
+        return build(arch, num_classes, transform_input, left_out, linear_head).to("meta")
 
 
 @functools.cache

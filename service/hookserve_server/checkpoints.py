@@ -206,8 +206,12 @@ def _head_mismatch(missing: list[str], unexpected: list[str], head: Collection[s
     """Whether only the classifier differs from the architecture's: a head of another
     shape, said in one line; else None."""
     modules = head_modules(head)
-    if unexpected and all(k in head for k in missing) and all(
-            any(k.startswith(m + ".") for m in modules) for k in unexpected):
+    # the head's layers, and the container they sit in (``classifier``, which a file may
+    # hold as other layers: ``classifier.weight`` of a Linear put in its place)
+    within = {*modules, *(m.rsplit(".", 1)[0] for m in modules if "." in m)}
+    if unexpected and all(k in head or any(k.startswith(m + ".") for m in within)
+                          for k in missing) and all(
+            any(k.startswith(m + ".") for m in within) for k in unexpected):
         return (f"its classifier head ({', '.join(unexpected[:4])}) is not torchvision's "
                 f"{arch} head ({', '.join(head)}), and a head of another shape (an "
                 "nn.Sequential, say) cannot be rebuilt from its weights: save the model with "
@@ -229,6 +233,31 @@ def classifier_left_out(own: Collection[str], sd: dict, head: tuple[str, ...]
     if any(k.startswith(inside) for k in own) and not any(k.startswith(inside) for k in sd):
         return (parent,)
     return ()
+
+
+def linear_head(model: nn.Module, sd: dict, head: tuple[str, ...]) -> str:
+    """The container of the head (``classifier``) when the file holds it as one
+    Linear (``classifier.weight`` and ``.bias``, nothing inside it), as
+    ``model.classifier = nn.Linear(...)`` fine-tunes a mobilenet, an efficientnet or a
+    vgg; else "". Only a container whose first layer is its first Linear (dropout
+    aside) can be: it is then fed what that Linear was, so the file's Linear is served
+    in its place. `head` is the head's module paths."""
+    parents = {m.rsplit(".", 1)[0] for m in head if "." in m}
+    if len(parents) != 1:
+        return ""
+    (parent,) = parents
+    weight = sd.get(f"{parent}.weight")
+    own = {f"{parent}.weight", f"{parent}.bias"}
+    if getattr(weight, "ndim", 0) != 2 or any(k.startswith(parent + ".") and k not in own
+                                              for k in sd):
+        return ""
+    container = model.get_submodule(parent)
+    for m in container.children():
+        if isinstance(m, nn.Linear):
+            return parent if m.in_features == weight.shape[1] else ""
+        if not isinstance(m, nn.Dropout):
+            return ""
+    return ""
 
 
 def _completed(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]

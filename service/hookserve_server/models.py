@@ -21,6 +21,7 @@ from .architectures import (
     NO_HEAD,
     TRANSFORM_INPUT,
     build,
+    build_meta,
     check_timm,
     classifier_keys,
     default_classes,
@@ -36,6 +37,7 @@ from .checkpoints import (  # noqa: F401
     classifier_left_out,
     head_classes,
     head_modules,
+    linear_head,
     load_into,
     read_state_dict,
 )
@@ -63,6 +65,8 @@ class WeightsInfo:
     num_classes: int = DEFAULT_CLASSES
     #: With NO_HEAD, the modules the weights left out, served as nn.Identity
     left_out: tuple[str, ...] = ()
+    #: The head's container the weights hold as one Linear ("classifier"), or ""
+    linear_head: str = ""
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,12 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
     head = classifier_keys(arch)
     classes = head_classes(sd, list(head))
     left_out: tuple[str, ...] = ()
+    replaced = "" if classes is not None else linear_head(build_meta(arch), sd,
+                                                          head_modules(head))
+    if replaced:   # the classifier fine-tuned as one Linear
+        classes = int(sd[f"{replaced}.weight"].shape[0])
+        log.info("%s: weights file %s holds its classifier as one Linear (%s): serving "
+                 "it in place of torchvision's %s", arch, path, replaced, replaced)
     if classes is None:   # the head's last layer left out, or the classifier holding it
         left_out = classifier_left_out(state_dict_keys(arch) - set(head), sd,
                                        head_modules(head)) or head_modules(head)
@@ -213,7 +223,7 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
                     "ImageNet weights ran with transform_input=True: say "
                     "transform_input = true for it in --models", arch, path, arch)
     model = build(arch, NO_HEAD if classes is None else classes, bool(transform_input),
-                  left_out=left_out)
+                  left_out=left_out, linear_head=replaced)
     load_into(model, sd, f"weights file {path}", arch, head)
     if classes is None:
         classes = NO_HEAD
@@ -221,7 +231,7 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
                  "with %s giving the features the head would read; Attribute needs a head",
                  arch, path, ", ".join(head), " and ".join(left_out))
     return model, WeightsInfo("file", path.name, state_dict_digest(model.state_dict()), True,
-                              num_classes=classes, left_out=left_out)
+                              num_classes=classes, left_out=left_out, linear_head=replaced)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -282,7 +292,8 @@ class ServedModel:
         self.mean = torch.tensor(self.defaults.mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(self.defaults.std, device=device).view(1, 3, 1, 1)
         self.tables = LayerTables(name, arch, self.torch_dtype, weights.num_classes,
-                                  weights.left_out, self.transform_input)
+                                  weights.left_out, self.transform_input,
+                                  weights.linear_head)
         default_table = self.layer_table(*self.defaults.crop)
         if default_table.stopped:   # the whole model must run at its own input size
             raise InvalidArgument(default_table.stopped)

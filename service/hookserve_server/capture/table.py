@@ -105,10 +105,10 @@ class LayerTables:
 
     def __init__(self, model_name: str, arch: str, dtype: torch.dtype,
                  num_classes: int | None = None, left_out: tuple[str, ...] = (),
-                 transform_input: bool = False) -> None:
+                 transform_input: bool = False, linear_head: str = "") -> None:
         self.model_name = model_name
         self.dtype = dtype
-        self._meta = build_meta(arch, num_classes, left_out, transform_input)
+        self._meta = build_meta(arch, num_classes, left_out, transform_input, linear_head)
         self._meta.eval().requires_grad_(False).to(dtype=dtype)
         self._lock = threading.Lock()
         #: (height, width) -> its table, the CACHED_SIZES most recently used
