@@ -138,3 +138,28 @@ def test_timeout_0_means_no_limit(server, img, tmp_path):
     r = hs("attribute", str(img), "--timeout", "0", "--out", str(tmp_path / "maps"),
            "--server", server.address)
     assert r.returncode == 0, r.stderr
+
+
+def test_extract_takes_batch_style_layer_reductions(server, img, tmp_path):
+    """`--layers layer4:avg` (how `hookserve batch` names a layer's reduction) was an
+    unknown layer: it is that layer with that reduction; others take --reduction."""
+    import numpy as np
+
+    out = tmp_path / "f.npz"
+    r = hs("extract", str(img), "--layers", "layer4:avg,conv1,layer3:input:max",
+           "--reduction", "max", "--out", str(out), "--server", server.address)
+    assert r.returncode == 0, r.stderr
+    got = np.load(out)
+    assert {k: got[k].shape for k in got} == {"layer4": (512,), "conv1": (64,),
+                                              "layer3:input": (128,)}
+
+
+def test_extract_that_writes_nothing_keeps_an_earlier_npz(server, img, tmp_path):
+    out = tmp_path / "keep.npz"
+    assert hs("extract", str(img), "--layers", "fc", "--out", str(out), "--server",
+              server.address).returncode == 0
+    before = out.read_bytes()
+    r = hs("extract", str(tmp_path / "nope.jpg"), "--layers", "fc", "--out", str(out),
+           "--server", server.address)
+    assert r.returncode == 1 and f"no arrays to write: {out} is left as it was" in r.stderr
+    assert out.read_bytes() == before

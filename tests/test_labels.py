@@ -123,3 +123,43 @@ def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
     path = tmp_path / "bom.txt"
     path.write_bytes("\n".join(NAMES).encode("utf-8-sig"))
     assert read_labels(path) == tuple(NAMES)
+
+
+@pytest.mark.parametrize("text", [
+    "c0\nc1\nc2\n",
+    "0,c0\n1,c1\n2,c2\n",
+    "0\tc0\n1\tc1\n2\tc2",
+    '["c0", "c1", "c2"]',
+    '{"0": "c0", "1": "c1", "2": "c2"}',
+    '{"2": ["n3", "c2"], "0": ["n1", "c0"], "1": ["n2", "c1"]}',   # imagenet_class_index
+])
+def test_labels_files_in_the_usual_forms(tmp_path, text):
+    from hookserve_server.labels import read_labels
+
+    path = tmp_path / "labels"
+    path.write_text(text)
+    assert read_labels(path) == ("c0", "c1", "c2")
+
+
+def test_names_with_commas_stay_whole(tmp_path):
+    """ImageNet's names hold commas: only lines numbered 0, 1, 2... are index,name."""
+    from hookserve_server.labels import read_labels
+
+    path = tmp_path / "labels.txt"
+    path.write_text("tench, Tinca tinca\ngoldfish, Carassius auratus\n1,2-dioxane\n")
+    assert read_labels(path)[2] == "1,2-dioxane" and len(read_labels(path)) == 3
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"0": "c0", "2": "c2"}', "keys of its JSON object must be the class indices 0 to 1"),
+    ('["c0", 3]', "its JSON is not a list of names"),
+    ('["c0", ', "looks like JSON but does not parse"),
+])
+def test_bad_json_labels_say_what_is_read(tmp_path, text, match):
+    from hookserve_server.errors import ConfigError
+    from hookserve_server.labels import read_labels
+
+    path = tmp_path / "labels.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        read_labels(path)

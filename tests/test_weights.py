@@ -96,6 +96,8 @@ SAVE_HINT = r"torch\.save\(model\.state_dict\(\), PATH\)"
     ("missing", "does not exist"),
     ("vgg", "does not match architecture resnet18: .*missing keys"),
     ("garbage", f"could not load .* \\(it is not a file torch.save writes\\); .*{SAVE_HINT}"),
+    ("labels", f"could not load .* \\(it is not a file torch.save writes\\); .*{SAVE_HINT}"),
+    ("legacy-module", "holds a pickled torchvision.models.resnet.ResNet \\(a whole model"),
     ("module", "holds a pickled torchvision.models.resnet.ResNet \\(a whole model, saved "
                f"with torch.save\\(model\\)\\), not a state_dict.*{SAVE_HINT}"),
     ("checkpoint", f"holds a dict with keys 'epoch', 'net', not a state_dict.*{SAVE_HINT}"),
@@ -109,6 +111,10 @@ def test_bad_weights_file_is_a_clear_startup_error(tmp_path, content, match):
         torch.save(torchvision.models.vgg11().state_dict(), path)
     elif content == "garbage":
         path.write_bytes(b"\x00not a checkpoint")
+    elif content == "labels":   # a text file given as weights: read as a pickle, "c..."
+        path.write_text("class0\nclass1\n")   # would name a class "lass0.class1"
+    elif content == "legacy-module":   # torch.save's format before zip archives
+        torch.save(torchvision.models.resnet18(), path, _use_new_zipfile_serialization=False)
     elif content == "module":  # a whole pickled model: refused by weights_only=True
         torch.save(torchvision.models.resnet18(), path)
     elif content == "checkpoint":  # a state_dict under a key no training script uses

@@ -83,7 +83,8 @@ def _extract(args) -> int:
             print(f"error: --out {args.out}: cannot write into {folder} (missing or "
                   "read-only): create it, or name a file elsewhere", file=sys.stderr)
             return 2
-    layers = [x for s in args.layers for x in s.split(",") if x]
+    layers = _layer_options([x.strip() for s in args.layers for x in s.split(",")
+                             if x.strip()])
     # One key prefix per input: its path as given, made unique if given twice.
     keys = unique_names([[p] for p in args.images],
                         lambda k: [f"{k}:{layer}" for layer in layers])
@@ -102,7 +103,9 @@ def _extract(args) -> int:
                 key = f"{keys[r.index]}:{layer}" if len(args.images) > 1 else layer
                 out[key] = arr
                 print(f"{r.id}  {layer}  {arr.dtype}  {tuple(arr.shape)}")
-    if args.out:
+    if args.out and not out:   # nothing to write: an earlier file is kept as it is
+        print(f"no arrays to write: {args.out} is left as it was", file=sys.stderr)
+    elif args.out:
         tmp = f"{args.out}.tmp-{os.getpid()}"
         try:
             with open(tmp, "wb") as fh:  # a file object: the name is kept as given (.NPZ)
@@ -115,6 +118,20 @@ def _extract(args) -> int:
                           ) from None
         print(f"wrote {len(out)} arrays to {args.out}")
     return 1 if failed else 0
+
+
+def _layer_options(names: list[str]) -> dict[str, dict | None]:
+    """--layers values -> the SDK's per-layer options: ``NAME:REDUCTION`` (as
+    `hookserve batch` takes it, ``layer4:avg``) sets that layer's reduction; other
+    layers take --reduction."""
+    out: dict[str, dict | None] = {}
+    for item in names:
+        name, sep, red = item.rpartition(":")
+        if sep and red in REDUCTIONS:
+            out[name] = {"reduction": red}
+        else:
+            out[item] = None
+    return out
 
 
 def _health(args) -> int:
@@ -169,10 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("images", nargs="+", help="image files")
     s.add_argument("--layers", action="append", required=True,
                    help="layer names, comma-separated or repeated (hookserve describe "
-                        "lists them; NAME:input for a module's input)")
+                        "lists them; NAME:input for a module's input; NAME:REDUCTION, "
+                        "such as layer4:avg, for that layer's reduction)")
     s.add_argument("--model", help="model name (default: the server's default)")
     s.add_argument("--reduction", default="none", choices=list(REDUCTIONS),
-                   help="per layer: none (the whole tensor), avg or max (pooled over "
+                   help="for layers without their own: none (the whole tensor), avg or "
+                        "max (pooled over "
                         "space: one value per channel), flatten, stats (per channel: "
                         "mean, std, min, max, zero fraction) (default: %(default)s)")
     s.add_argument("--dtype", default="float32", choices=list(DTYPES),

@@ -67,6 +67,9 @@ def _load_error(path: Path, exc: Exception) -> str:
     many lines (with terminal colour codes) and suggests loading with weights_only=False,
     which hookserve never does: it would run code from the file."""
     text = _ANSI.sub("", str(exc))
+    if not zipfile.is_zipfile(path) and not _starts_as_pickle(path):
+        return (f"could not load weights file {path} as a state_dict (it is not a file "
+                f"torch.save writes); {SAVE_HINT}")
     if found := re.search(r"GLOBAL ([\w.]+)", text):
         name = found.group(1)
         what = f"a pickled {name}"
@@ -86,6 +89,16 @@ def _load_error(path: Path, exc: Exception) -> str:
         reason = f"{type(exc).__name__}: {text}"
     reason = " ".join(reason.split())[:200]
     return f"could not load weights file {path} as a state_dict ({reason}); {SAVE_HINT}"
+
+
+def _starts_as_pickle(path: Path) -> bool:
+    """Whether a file begins as a pickle of protocol 2 or later does (torch.save's
+    format before its zip archives); a text file read as a pickle gives nonsense."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(1) == b"\x80"
+    except OSError:
+        return False
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""Class names: `--labels MODEL=PATH` (a text file, one class a line), or the ImageNet
-category names that torchvision's weights carry.
+"""Class names: `--labels MODEL=PATH` (a text file, one class a line, ``index,name``
+lines, or JSON), or the ImageNet category names that torchvision's weights carry.
 
 Torch-free at import: start-up checks the flag before torch loads; torchvision is
 imported only for the ImageNet names.
@@ -8,6 +8,8 @@ imported only for the ImageNet names.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeVar
@@ -38,20 +40,53 @@ def labels_per_model(models: list[str], specs: Iterable[str]) -> dict[str, Path]
     return out
 
 
+#: "index,name" (or a tab): a line of a CSV of class indices and names
+_INDEXED = re.compile(r"^(\d+)\s*[,\t]\s*(.*)$")
+
+
 def read_labels(path: Path) -> tuple[str, ...]:
-    """One class name a line, in class-index order; trailing blank lines ignored."""
+    """Class names in class-index order: one a line (trailing blank lines ignored), or
+    ``index,name`` lines numbered from 0, or JSON: a list of names, or an object from
+    indices to names (``{"0": "tench"}``, or ``{"0": ["n01440764", "tench"]}`` as in
+    imagenet_class_index.json)."""
     try:
         text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is no name)
     except (OSError, UnicodeDecodeError) as exc:
         why = getattr(exc, "strerror", None) or str(exc)
         raise ConfigError(f"cannot read --labels file {path}: {why}") from None
+    if text.lstrip()[:1] in ("[", "{"):
+        return _json_labels(path, text)
     lines = [line.strip() for line in text.splitlines()]
     while lines and not lines[-1]:
         lines.pop()
     if "" in lines:
         raise ConfigError(f"--labels file {path}: line {lines.index('') + 1} is empty "
                           "(one class name a line)")
+    found = [_INDEXED.match(line) for line in lines]
+    if lines and all(m and int(m.group(1)) == i and m.group(2)
+                     for i, m in enumerate(found)):
+        return tuple(m.group(2).strip() for m in found if m)   # a CSV: index,name
     return tuple(lines)
+
+
+def _json_labels(path: Path, text: str) -> tuple[str, ...]:
+    hint = ('a list of names, or an object from class indices to names ({"0": "tench", '
+            '...} or {"0": ["n01440764", "tench"], ...})')
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--labels file {path} looks like JSON but does not parse "
+                          f"({exc}): give {hint}, or one class name a line") from None
+    if isinstance(data, dict):
+        if sorted(data, key=lambda k: (len(k), k)) != [str(i) for i in range(len(data))]:
+            raise ConfigError(f"--labels file {path}: the keys of its JSON object must be "
+                              f"the class indices 0 to {len(data) - 1}: give {hint}")
+        data = [data[str(i)] for i in range(len(data))]
+    names = [v[-1] if isinstance(v, list) and v else v for v in data] \
+        if isinstance(data, list) else None
+    if names is None or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"--labels file {path}: its JSON is not {hint}")
+    return tuple(n.strip() for n in names)
 
 
 def imagenet_labels(arch: str) -> tuple[str, ...]:
@@ -76,9 +111,10 @@ def model_labels(model: str, arch: str, source: str, num_classes: int,
                           "or serve weights with a head")
     names = read_labels(path)
     if len(names) != num_classes:
-        raise ConfigError(f"--labels {model}={path} has {len(names)} class names but the "
-                          f"weights of {model} have {num_classes} classes: give one name a "
-                          "line, one line per class")
+        raise ConfigError(f"--labels {model}={path} has {len(names)} class "
+                          f"name{'s' if len(names) != 1 else ''} but the weights of "
+                          f"{model} have {num_classes} classes: give one name per class, "
+                          "one a line (or as JSON, or index,name lines)")
     return names
 
 
