@@ -204,3 +204,22 @@ def test_overlay_heat_clips_at_a_percentile_and_picks_a_sign():
     assert out[0].tolist() == [[180, 4, 38], [59, 76, 192], [100, 100, 100], [100, 100, 100]]
     out = np.asarray(hookserve.overlay(img, x, alpha=0.5, sign="negative", clip=100))
     assert out[0].tolist() == [[100, 100, 100], [80, 88, 146], [100, 100, 100], [100, 100, 100]]
+
+
+def test_softmax_of_a_one_class_head_is_refused_and_its_logit_explained(make_server,
+                                                                       tmp_path, imgs):
+    """A binary classifier with one output (BCE training): the softmax of one score is
+    always 1, its gradient 0, and every map blank; the logit is what to explain."""
+    import torchvision
+
+    torch.manual_seed(3)
+    model = torchvision.models.resnet18(num_classes=1)
+    path = tmp_path / "binary.pt"
+    torch.save(model.state_dict(), path)
+    s = make_server("--model", "resnet18", "--weights", str(path))
+    with s.client(timeout=120) as c:
+        with pytest.raises(hookserve.errors.InvalidArgument,
+                           match="one class score, whose softmax is always 1.*score=logit"):
+            c.attribute(imgs[0], "layer4", score="softmax", **GEOMETRY)
+        a = c.attribute(imgs[0], "layer4", **GEOMETRY)
+    assert np.ptp(a.map) > 0   # not blank

@@ -37,7 +37,7 @@ def _describe(args) -> int:
     print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}, "
           f"mean {_floats(m.mean)}, std {_floats(m.std)}")
     print(classes_text(m) if m.num_classes else NO_HEAD)
-    if m.default_cam_layer:
+    if m.default_cam_layer and m.num_classes:   # (no head: nothing to attribute)
         print(f"default CAM layer: {m.default_cam_layer}")
     print(f"input {d.input_size[0]}x{d.input_size[1]}: {len(d.layers)} layers\n")
     w = max(len(li.name) for li in d.layers)

@@ -73,6 +73,7 @@ def build(arch: str, num_classes: int | None = None, transform_input: bool = Fal
         "num_classes": num_classes}
     if arch in AUX_HEADS:
         kwargs["aux_logits"] = False
+        kwargs["init_weights"] = True   # what it defaults to, said: no FutureWarning
     if transform_input:
         kwargs["transform_input"] = True
     model = torchvision.models.get_model(arch, weights=None, **kwargs)

@@ -30,6 +30,7 @@ from ..attribution_spec import (
     AttributionOutput,
     AttributionSpec,
     Method,
+    Score,
 )
 from ..cache import key as cache_key
 from ..capture.attribute import AttributionJob, ImageAttribution
@@ -122,6 +123,10 @@ def resolve_attribution(limits: Limits, config: EngineConfig, m: ServedModel,
             "Extract serves this one's layers")
     table = m.layer_table(*m.defaults.crop)
     num_classes = math.prod(list(table.values())[-1].shape)
+    if num_classes == 1 and spec.score is Score.SOFTMAX:
+        raise InvalidArgument(
+            f"model {m.name} has one class score, whose softmax is always 1, so its "
+            "gradient is 0 and every map would be blank: explain the logit (score=logit)")
     method = spec.method
     if method.is_cam:
         if not spec.layer:  # the family's default (ModelInfo.default_cam_layer)

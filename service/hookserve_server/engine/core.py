@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import shlex
 import threading
 import time
 import weakref
@@ -313,11 +314,12 @@ def unknown_layer_message(name: str, model: ServedModel) -> str:
     why = model.tables.why_not(name)
     if why is not None:
         return (f"layer {name!r} of {model.name} cannot be captured: {why}. DescribeModel "
-                f"(hookserve describe {model.name}) lists the layers that can")
+                f"(hookserve describe {shlex.quote(model.name)}) lists the layers that can")
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
     hint = f"closest valid layers: {', '.join(close)}" if close else (
         f"valid layers start with: {', '.join(names[:5])}")
     outputs = sum(1 for n in names if not split_input_name(n)[1])
     return (f"unknown layer {name!r} for model {model.name}; {hint}. "
-            f"DescribeModel (hookserve describe {model.name}) lists all {outputs} layers "
+            f"DescribeModel (hookserve describe {shlex.quote(model.name)}) lists all "
+            f"{outputs} layers "
             f"('<layer>{INPUT_SUFFIX}' names a layer's input)")
