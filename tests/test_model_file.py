@@ -151,3 +151,12 @@ def test_an_input_size_the_architecture_refuses_names_the_model_and_key(tmp_path
                        "\\(preprocessing.crop\\): input 256x256 is too small or invalid "
                        "for v: Wrong image height! Expected 224 but got 256!"):
         RunningServer(["--models", str(tmp_path / "models.toml")], start=False)
+
+
+def test_a_weights_file_that_does_not_fit_names_the_model_entry(tmp_path):
+    torch.save(torchvision.models.vgg11().state_dict(), tmp_path / "vgg.pt")
+    (tmp_path / "models.toml").write_text(
+        '[[model]]\narchitecture = "resnet18"\nname = "mine"\nweights = "vgg.pt"\n')
+    with pytest.raises(ConfigError, match=f"model mine in {tmp_path / 'models.toml'}: "
+                       "weights file .*vgg.pt does not match architecture resnet18"):
+        RunningServer(["--models", str(tmp_path / "models.toml")], start=False)

@@ -108,7 +108,12 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     for e in pre.entries:
         name = e.name
         dev, dtype = devices[name], e.dtype or args.dtype
-        module, info = build_model(e.arch, weights[name], args.seed, e.transform_input)
+        try:
+            module, info = build_model(e.arch, weights[name], args.seed, e.transform_input)
+        except ConfigError as exc:   # a model file's entry is named, as its other errors are
+            if not args.models:
+                raise
+            raise ConfigError(f"model {name} in {args.models}: {exc}") from None
         labels = model_labels(name, e.arch, info.source, info.num_classes, e.labels)
         cl = channels_last(args.memory_format, args.channels_last, e.arch, dev)
         defaults = e.preprocessing_over(defaults_for(e.arch))
