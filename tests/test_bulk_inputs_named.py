@@ -184,3 +184,17 @@ def test_a_row_written_under_an_earlier_id_is_found_on_resume(tmp_path):
     st = os.stat(p)
     work, failures, skipped = plan([str(p)], {str(p): (st.st_size, st.st_mtime_ns)})
     assert (work, failures, skipped) == ([], [], 1)
+
+
+def test_a_local_and_a_sharded_run_do_not_share_an_npy_folder(det_server, tmp_path,
+                                                               capsys):
+    """The two lay out .npy folders differently (a file per image, an array per shard):
+    neither adds to the other's."""
+    _images(tmp_path / "imgs", 2, 300)
+    local, sharded = tmp_path / "local_npy", tmp_path / "sharded_npy"
+    _run(det_server, [tmp_path / "imgs"], local, capsys)
+    _run(det_server, [tmp_path / "imgs"], sharded, capsys, *FLAGS)
+    err = _run(det_server, [tmp_path / "imgs"], local, capsys, *FLAGS, code=2)
+    assert "holds a local run's .npy files (hookserve.json)" in err, err
+    err = _run(det_server, [tmp_path / "imgs"], sharded, capsys, code=2)
+    assert "holds a sharded run's output (_hookserve.json)" in err, err

@@ -93,6 +93,11 @@ class ShardOutput:
         """Check the settings of an existing output, or write them (no lock: every
         worker of one output writes the same settings)."""
         text = self.loc.read_text(META)
+        if text is None and self.fmt == NPY_STACK and \
+                self.loc.read_text("hookserve.json") is not None:
+            raise OutputError(f"{self.loc} holds a local run's .npy files (hookserve.json), "
+                              "one file per image and layer: a sharded run needs another "
+                              "--out (or run without --sharded to add to it)")
         if text is not None:
             check_meta(json.loads(text), self.meta, f"{self.loc}/{META}")
         else:

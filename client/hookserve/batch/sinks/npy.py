@@ -31,6 +31,10 @@ class NpySink(Sink):
     def open(self) -> None:
         if os.path.isfile(self.out):
             raise OutputError(f"{self.out} is a file; a folder output needs a folder")
+        if os.path.exists(os.path.join(self.out, "_hookserve.json")):
+            raise OutputError(f"{self.out} holds a sharded run's output (_hookserve.json), "
+                              "one array per layer and shard: run with --sharded to add to "
+                              "it, or give this run another --out")
         os.makedirs(self.out, exist_ok=True)
         self.lock, meta_path = lock_and_check(self.out, "hookserve.json", self.meta)
         write_json_atomic(meta_path, self.meta)
