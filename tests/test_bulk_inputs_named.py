@@ -198,3 +198,25 @@ def test_a_local_and_a_sharded_run_do_not_share_an_npy_folder(det_server, tmp_pa
     assert "holds a local run's .npy files (hookserve.json)" in err, err
     err = _run(det_server, [tmp_path / "imgs"], sharded, capsys, code=2)
     assert "holds a sharded run's output (_hookserve.json)" in err, err
+
+
+def test_a_folder_covers_only_what_lies_below_it(tmp_path):
+    from hookserve.batch.shard_plan import PlanReport, covered
+
+    (tmp_path / "imgs").mkdir()
+    imgs = str(tmp_path / "imgs")
+    for key, want in [(f"{imgs}/d0#1/3", True), (f"{imgs}2#1/3", False),
+                      (f"{imgs}/s.tar", True), (f"{imgs}/d0/*.png#0/3", True),
+                      (f"{imgs}/list.txt#0/3", False), (f"{imgs}/t.parquet#rg=2", True),
+                      (f"{tmp_path}/other#0/3", False)]:
+        assert covered(key, [imgs], set(), PlanReport()) is want, key
+    assert not covered(f"{imgs}/d0#1/3", [imgs], set(), PlanReport(empty=[imgs]))
+
+
+def test_the_current_folder_covers_relative_paths(tmp_path, monkeypatch):
+    from hookserve.batch.shard_plan import PlanReport, covered
+
+    monkeypatch.chdir(tmp_path)
+    assert covered("imgs#0/3", ["."], set(), PlanReport())
+    assert not covered("../imgs#0/3", ["."], set(), PlanReport())
+    assert not covered("/data/imgs#0/3", ["."], set(), PlanReport())

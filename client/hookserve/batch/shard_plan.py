@@ -261,10 +261,18 @@ def covered(key: str, specs: list[str], planned: set[str], report: PlanReport) -
                 if fnmatch.fnmatchcase(norm, base):
                     return True
             elif (os.path.isdir(spec) if not is_url(spec) else
-                  not (is_tar(spec) or is_image(spec))) and \
-                    norm.startswith(base.rstrip("/") + "/"):
+                  not (is_tar(spec) or is_image(spec))) and _below(norm, base):
                 return True
     return False
+
+
+def _below(path: str, folder: str) -> bool:
+    """Whether `path` lies below `folder` (both as keys spell them; "." holds every
+    relative path that does not climb out of it)."""
+    if folder == ".":
+        return not (is_url(path) or os.path.isabs(path) or path == ".."
+                    or path.startswith("../"))
+    return path.startswith(folder.rstrip("/") + "/")
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,
