@@ -57,7 +57,7 @@ def test_one_input_spelled_three_ways_is_one_set_of_shards(det_server, tmp_path,
     _run(det_server, ["imgs"], out, capsys, *FLAGS)
     for spelling in ("imgs/", "./imgs", "imgs//"):
         err = _run(det_server, [spelling], out, capsys, *FLAGS)
-        assert "done 0," in err and "removed" not in err, err
+        assert "done 0," in err and "rows are removed" not in err, err
     assert _ids(out) == want
 
 
@@ -68,7 +68,7 @@ def test_regrouped_inputs_keep_one_row_per_image(det_server, tmp_path, capsys):
     for inputs in ([imgs, imgs / "d0"], [imgs / "d0" / "*.png", imgs], [imgs]):
         err = _run(det_server, inputs, out, capsys, *FLAGS)
         assert _ids(out) == want, err
-    assert "its files are listed by this run's inputs, in other shards; its rows are " \
+    assert "its files are this run's, in other shards, or gone; its rows are " \
            "removed" in err, err
 
 
@@ -84,7 +84,7 @@ def test_a_tar_gone_from_a_listed_folder_loses_its_rows(det_server, tmp_path, ca
     assert len(_ids(out)) == 6
     (tars / "1.tar").unlink()
     err = _run(det_server, [tars], out, capsys, "--sharded")
-    assert f"shard {tars}/1.tar: its files are listed by this run's inputs" in err, err
+    assert f"shard {tars}/1.tar: its files are this run's, in other shards, or gone" in err, err
     assert _ids(out) == sorted(f"{tars}/{t}.tar/{t}{i}.png" for t in (0, 2) for i in range(2))
     assert len(markers(str(out))) == 2
 
@@ -200,23 +200,79 @@ def test_a_local_and_a_sharded_run_do_not_share_an_npy_folder(det_server, tmp_pa
     assert "holds a sharded run's output (_hookserve.json)" in err, err
 
 
-def test_a_folder_covers_only_what_lies_below_it(tmp_path):
-    from hookserve.batch.shard_plan import PlanReport, covered
+def _tree(root) -> None:
+    """imgs/{a,b}.png, imgs/sub/c.png, imgs/scan.dat (a PNG under another name),
+    imgs/link -> ../real (a folder symlink, which a folder's listing does not follow)."""
+    _images(root / "imgs", 2, 310)
+    (root / "imgs" / "00.png").rename(root / "imgs" / "a.png")
+    (root / "imgs" / "01.png").rename(root / "imgs" / "b.png")
+    (root / "imgs" / "sub").mkdir()
+    (root / "imgs" / "sub" / "c.png").write_bytes(encode(rand_image(32, 32, seed=315)))
+    (root / "imgs" / "scan.dat").write_bytes(encode(rand_image(32, 32, seed=316)))
+    (root / "real").mkdir()
+    (root / "real" / "d.png").write_bytes(encode(rand_image(32, 32, seed=317)))
+    (root / "imgs" / "link").symlink_to(root / "real")
 
-    (tmp_path / "imgs").mkdir()
-    imgs = str(tmp_path / "imgs")
-    for key, want in [(f"{imgs}/d0#1/3", True), (f"{imgs}2#1/3", False),
-                      (f"{imgs}/s.tar", True), (f"{imgs}/d0/*.png#0/3", True),
-                      (f"{imgs}/list.txt#0/3", False), (f"{imgs}/t.parquet#rg=2", True),
-                      (f"{tmp_path}/other#0/3", False)]:
-        assert covered(key, [imgs], set(), PlanReport()) is want, key
-    assert not covered(f"{imgs}/d0#1/3", [imgs], set(), PlanReport(empty=[imgs]))
 
-
-def test_the_current_folder_covers_relative_paths(tmp_path, monkeypatch):
-    from hookserve.batch.shard_plan import PlanReport, covered
-
+@pytest.mark.parametrize("runs, want, pruned", [
+    ((["imgs/sub"], ["imgs/*"]), {"sub/c.png", "a.png", "b.png", "scan.dat"}, False),
+    ((["imgs/link"], ["imgs"]), {"link/d.png", "a.png", "b.png", "sub/c.png"}, False),
+    ((["imgs"], ["imgs/*.png"]), {"a.png", "b.png", "sub/c.png"}, True),
+    ((["imgs/a.png"], ["imgs/**/*.png"]), {"a.png", "b.png", "sub/c.png", "link/d.png"},
+     False),
+    ((["imgs/*"], ["imgs"]), {"a.png", "b.png", "scan.dat", "sub/c.png"}, True),
+])
+@pytest.mark.parametrize("out", ["o.parquet", "o_npy"])
+def test_no_earlier_row_is_removed_unless_this_run_writes_it(det_server, tmp_path, capsys,
+                                                             monkeypatch, runs, want,
+                                                             pruned, out):
+    """An earlier shard is removed only when this run writes each of its ids itself;
+    one that shares only some loses just those rows. A glob lists one level and no
+    folder, and a folder's listing takes images only and follows no symlinked folder,
+    so the earlier rows of the files they leave out stay. Each id has one row."""
     monkeypatch.chdir(tmp_path)
-    assert covered("imgs#0/3", ["."], set(), PlanReport())
-    assert not covered("../imgs#0/3", ["."], set(), PlanReport())
-    assert not covered("/data/imgs#0/3", ["."], set(), PlanReport())
+    _tree(tmp_path)
+    out = tmp_path / out
+    for inputs in runs:
+        err = _run(det_server, inputs, out, capsys, *FLAGS)
+    ids = _stack_ids(out) if out.name.endswith("npy") else _ids(out)
+    assert {i[len("imgs/"):] for i in ids} == want, (ids, err)
+    assert ("of its rows are of files this run writes" in err) is pruned, err
+    again = _run(det_server, runs[-1], out, capsys, *FLAGS)   # settled: nothing to do
+    assert "shards done 0," in again and "rows are removed" not in again, again
+
+
+def _stack_ids(out) -> list[str]:
+    """Row ids of a sharded npy stack, checked against its arrays' lengths."""
+    import json
+
+    import numpy as np
+
+    ids = []
+    for sid in sorted(p for p in os.listdir(out) if not p.startswith("_")):
+        rows = [json.loads(line)["id"] for line in (out / sid / "index.jsonl").read_text()
+                .splitlines()]
+        for arr in (out / sid).glob("*.npy"):
+            assert len(np.load(arr)) == len(rows), arr
+        ids += rows
+    assert len(ids) == len(set(ids)), ids
+    return sorted(ids)
+
+
+def test_a_parquet_file_split_otherwise_keeps_one_row_per_image(det_server, tmp_path,
+                                                                capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    flags = ("--image-column", "image", "--shard-bytes", "3000")
+
+    def write(n: int, group: int) -> None:
+        images = [encode(rand_image(32, 32, seed=320 + i)) for i in range(n)]
+        pq.write_table(pa.table({"image": images}), path, row_group_size=group)
+
+    out = tmp_path / "o.parquet"
+    for n, group in ((2, 2), (4, 2), (3, 3)):   # one shard, two row groups, one again
+        write(n, group)
+        _run(det_server, [path], out, capsys, *flags)
+        assert _ids(out) == sorted(f"{path}#{i}" for i in range(n))

@@ -145,8 +145,9 @@ class ShardOutput:
     def retire(self, shards: list[Shard], why: str = "no file of the input is in it any "
                "more") -> None:
         """Remove the part, errors file and marker of shards an earlier run wrote, which
-        hold no file of the inputs now (`shard_plan.vanished`), or files this run writes
-        under other shards (`shard_plan.covered`); noted in :attr:`notes`."""
+        hold no file of the inputs now (`shard_plan.vanished`), or that
+        :func:`.earlier_shards.settle` found this run need not keep; noted in
+        :attr:`notes`."""
         tops = _tops(self.files())
         for shard in shards:
             names = _owned(shard.sid, self.fmt, tops)
@@ -155,6 +156,30 @@ class ShardOutput:
             for name in names:   # the marker last: a kill leaves a shard to retire again
                 self.loc.delete(name)
             self.notes.append(f"shard {shard.key}: {why}; its rows are removed")
+
+    def row_ids(self, sid: str) -> set[str] | None:
+        """The ids of shard `sid`'s rows and error rows in the output (its part's id
+        column or index, and its errors file); None when they cannot be read."""
+        files, ids = self.files(), set()
+        try:
+            if self.fmt == "parquet" and f"part-{sid}.parquet" in files:
+                pq = need("pyarrow.parquet", "Parquet")
+                where = f"{self.loc.path}/part-{sid}.parquet" if self.loc.remote else \
+                    os.path.join(self.loc.path, f"part-{sid}.parquet")
+                ids.update(pq.read_table(where, columns=["id"], filesystem=self.loc.fs)
+                           .column("id").to_pylist())
+            names = [n for n in (f"{sid}/index.jsonl", f"_errors-{sid}.csv") if n in files]
+            texts = self.loc.read_many(names)
+            for name in names:
+                text = (texts.get(name) or b"").decode("utf-8")
+                if name.endswith(".jsonl"):
+                    ids.update(json.loads(line)["id"] for line in text.splitlines() if line)
+                else:
+                    ids.update(row[0] for row in list(csv.reader(io.StringIO(text)))[1:]
+                               if row)
+        except Exception:  # noqa: BLE001 - a part that cannot be read: judged unknown
+            return None
+        return ids
 
     def others(self, planned: set[str]) -> list[str]:
         """The keys of the finished shards in the output that are not among `planned`

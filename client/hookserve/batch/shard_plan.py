@@ -26,7 +26,6 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import glob as _glob
 import hashlib
@@ -35,8 +34,6 @@ from dataclasses import dataclass, field
 
 from .defaults import DEFAULTS
 from .inputs import (
-    LIST_EXTS,
-    TABLE_EXTS,
     encode_name,
     is_image,
     listed_paths,
@@ -235,44 +232,6 @@ def vanished(specs: list[str], shards: list[Shard], listing_shards: int,
                 if key not in planned:
                     gone.append(Shard(key, "files", spec))
     return gone
-
-
-def covered(key: str, specs: list[str], planned: set[str], report: PlanReport) -> bool:
-    """Whether a shard an earlier run wrote, which this run does not plan, holds files
-    this run's inputs cover: its own input spelled otherwise (``imgs/`` for ``imgs``),
-    a folder, glob, tar or Parquet file below a folder this run lists (gone, or now
-    listed with the rest of the folder), or a file one of this run's globs matches.
-    Its rows are then removed: this run writes those files' rows where it puts them.
-    A list or table of paths is covered only by its own key (it may name files
-    anywhere), and inputs that listed nothing or missed a folder cover nothing."""
-    src = key_source(key)
-    if encode_name(key_input(src)) + key[len(src):] in planned:
-        return True
-    listing = key != src and not key[len(src):].startswith("#rg=")
-    if listing and os.path.splitext(src)[1].lower() in LIST_EXTS | TABLE_EXTS:
-        return False
-    norm = key_input(src)
-    for spec0 in specs:
-        for spec in expand_braces(spec0):
-            if spec in report.empty or spec in report.partial:
-                continue
-            base = encode_name(key_input(spec))
-            if _glob.has_magic(spec):
-                if fnmatch.fnmatchcase(norm, base):
-                    return True
-            elif (os.path.isdir(spec) if not is_url(spec) else
-                  not (is_tar(spec) or is_image(spec))) and _below(norm, base):
-                return True
-    return False
-
-
-def _below(path: str, folder: str) -> bool:
-    """Whether `path` lies below `folder` (both as keys spell them; "." holds every
-    relative path that does not climb out of it)."""
-    if folder == ".":
-        return not (is_url(path) or os.path.isabs(path) or path == ".."
-                    or path.startswith("../"))
-    return path.startswith(folder.rstrip("/") + "/")
 
 
 def shard_from_key(key: str, storage_options: dict | None = None, *,

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from .earlier_shards import Earlier, settle
 from .errors import (
     EXIT_CANNOT_PROCEED,
     EXIT_INCOMPLETE,
@@ -51,15 +52,7 @@ from .remote import (
     set_store_timeout,
 )
 from .shard_output import ShardOutput, ShardResult, present
-from .shard_plan import (
-    PlanReport,
-    Shard,
-    ShardError,
-    covered,
-    plan_shards,
-    select,
-    vanished,
-)
+from .shard_plan import PlanReport, Shard, ShardError, plan_shards, select, vanished
 from .sinks.base import OutputError
 from .spec import connect, describe_and_check, parse_layers
 from .streamcall import Watchdog
@@ -153,15 +146,12 @@ def run_sharded(args: argparse.Namespace) -> int:
         try:
             done = output.done(mine)
             output.retire(gone)
-            kept = _others(args, output, shards, report)
+            earlier = settle(output, shards, args.inputs, report)
         except Exception as exc:  # noqa: BLE001 - the output store failed
             raise Abort(f"cannot read the output {args.out}: {one_line(exc)}") from None
         for note in output.notes:
             print(f"hookserve batch: {note}", file=sys.stderr)
-        if kept:
-            print(f"hookserve batch: the output also holds {len(kept)} finished shards of "
-                  f"inputs this run does not name (first: {kept[0]}); their rows are "
-                  "kept", file=sys.stderr)
+        _say_earlier(earlier)
         todo = [s for s in mine if s.sid not in done]
         t0 = time.monotonic()
         results, fatal, interrupted = _run_pool(args, client, todo, output, layers, xopts,
@@ -170,19 +160,15 @@ def run_sharded(args: argparse.Namespace) -> int:
                    time.monotonic() - t0)
 
 
-def _others(args, output: ShardOutput, shards: list[Shard], report: PlanReport
-            ) -> list[str]:
-    """Remove the shards an earlier run wrote whose files this run's inputs cover
-    (`shard_plan.covered`); -> the keys of the other shards not planned, kept."""
-    planned = {s.key for s in shards}
-    kept, covering = [], []
-    for key in output.others({s.sid for s in shards}):
-        if covered(key, args.inputs, planned, report):
-            covering.append(Shard(key, "files", key))
-        else:
-            kept.append(key)
-    output.retire(covering, "its files are listed by this run's inputs, in other shards")
-    return kept
+def _say_earlier(earlier: Earlier) -> None:
+    if earlier.kept:
+        print(f"hookserve batch: the output also holds {len(earlier.kept)} finished shards "
+              f"of inputs this run does not name (first: {earlier.kept[0]}); their rows "
+              "are kept", file=sys.stderr)
+    for key, n in list(earlier.pruned.items())[:NAMED]:
+        print(f"hookserve batch: shard {key}: {n} of its rows are of files this run "
+              "writes, in other shards; those rows are removed, its others kept",
+              file=sys.stderr)
 
 
 def _report(args, results: list[ShardResult], fatal, interrupted: bool, skipped: int,

@@ -1,21 +1,23 @@
 """What a tar or Parquet shard's file is now: its size and its version (the
-modification time and inode of a local file, the store's ETag, generation or
-modification time of an object), recorded in the shard's done marker so that a file
-rewritten since its shard was done is done again (:meth:`.shard_output.ShardOutput.done`).
+modification time of a local file; the ETag, generation or modification time of an
+object), recorded in the shard's done marker so that a file rewritten since its shard
+was done is done again (:meth:`.shard_output.ShardOutput.done`).
 
 A tar's size alone does not tell: tar pads to 10 KiB records, so a member added or
-swapped often leaves the size as it was.
+swapped often leaves the size as it was. A local file replaced by one of the same size
+and the same modification time (``cp -p``, ``rsync -t``) is not noticed.
 
-Costs: one ``stat`` per local file; per remote folder, one listing when it holds many
-shard files, else one metadata request per file; a ``HEAD`` per ``http(s)://`` file
-(which has no listing). A file that cannot be looked at gets no stamp: its marker is
-then trusted as it is, and reading the shard reports the real failure.
+Costs: one ``stat`` per local file; one metadata request per remote file (32 at a
+time), a ``HEAD`` for ``http(s)://``. A file that cannot be looked at gets no stamp:
+its marker is then trusted as it is, and reading the shard reports the real failure.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from .remote import STORE_TIMEOUT, filesystem, http_open, is_http, is_url
 
@@ -23,27 +25,19 @@ from .remote import STORE_TIMEOUT, filesystem, http_open, is_http, is_url
 #: (S3's ETag, GCS's generation, then modification times).
 VERSION_KEYS = ("ETag", "etag", "generation", "md5Hash", "LastModified", "last_modified",
                 "mtime", "updated", "created")
-#: A remote folder holding at least this many shard files is listed once.
-LIST_FROM = 8
 
 
 def stamps(sources: Iterable[str], opts: dict) -> dict[str, str]:
     """Source (path or URL) -> ``"<size>:<version>"``, for each source that could be
     looked at."""
-    out: dict[str, str] = {}
-    by_folder: dict[str, list[str]] = {}
-    for src in sorted(set(sources)):
-        if is_http(src):
-            stamp = _http(src, opts)
-        elif is_url(src):
-            by_folder.setdefault(src.rsplit("/", 1)[0], []).append(src)
-            continue
-        else:
-            stamp = _local(src)
-        if stamp is not None:
-            out[src] = stamp
-    for folder, urls in by_folder.items():
-        out.update(_remote(folder, urls, opts))
+    srcs = sorted(set(sources))
+    remote = [s for s in srcs if is_url(s)]
+    out = {s: v for s in srcs if not is_url(s) and (v := _local(s)) is not None}
+    if remote:
+        with ThreadPoolExecutor(min(32, len(remote))) as pool:
+            found = pool.map(lambda u: _http(u, opts) if is_http(u) else _remote(u, opts),
+                             remote)
+            out.update((u, v) for u, v in zip(remote, found, strict=True) if v is not None)
     return out
 
 
@@ -52,7 +46,7 @@ def _local(path: str) -> str | None:
         st = os.stat(path)
     except OSError:
         return None
-    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def _http(url: str, opts: dict) -> str | None:
@@ -63,37 +57,25 @@ def _http(url: str, opts: dict) -> str | None:
             version = resp.headers.get("ETag") or resp.headers.get("Last-Modified")
     except Exception:  # noqa: BLE001 - no stamp; reading the shard reports the failure
         return None
-    return f"{size}:{version}" if size is not None and version else None
+    return f"{size}:{_plain(version)}" if size is not None and version else None
 
 
-def _of(info: dict) -> str | None:
+def _plain(version: object) -> str:
+    """One spelling of a version, whichever call gave it: an ETag without its quotes
+    (some stores quote it in one call and not another), a time as seconds."""
+    if isinstance(version, datetime.datetime):
+        return f"{version.timestamp():.6f}"
+    if isinstance(version, float):
+        return f"{version:.6f}"
+    return str(version).strip('"')
+
+
+def _remote(url: str, opts: dict) -> str | None:
+    try:
+        fs, path = filesystem(url, opts)
+        info = fs.info(path)
+    except Exception:  # noqa: BLE001 - no stamp (see the module doc)
+        return None
     version = next((info[k] for k in VERSION_KEYS if info.get(k) is not None), None)
     size = info.get("size")
-    return None if version is None or size is None else f"{size}:{version}"
-
-
-def _remote(folder: str, urls: list[str], opts: dict) -> dict[str, str]:
-    try:
-        fs, _ = filesystem(folder, opts)
-    except ImportError:
-        return {}
-    infos: dict[str, dict] = {}
-    if len(urls) >= LIST_FROM:
-        try:
-            infos = {fs._strip_protocol(i["name"]): i
-                     for i in fs.ls(fs._strip_protocol(folder), detail=True)}
-        except Exception:  # noqa: BLE001 - fall back to a request per file
-            infos = {}
-    out = {}
-    for url in urls:
-        path = fs._strip_protocol(url)
-        info = infos.get(path)
-        if info is None:
-            try:
-                info = fs.info(path)
-            except Exception:  # noqa: BLE001 - no stamp (see the module doc)
-                continue
-        stamp = _of(info)
-        if stamp is not None:
-            out[url] = stamp
-    return out
+    return None if version is None or size is None else f"{size}:{_plain(version)}"

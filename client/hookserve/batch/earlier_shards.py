@@ -1,0 +1,208 @@
+"""Finished shards in a sharded output that this run does not plan: an earlier run's,
+with its inputs spelled, grouped or split otherwise, or of other inputs.
+
+Each is removed only when nothing is lost by it, since this run writes its rows
+elsewhere or its file is gone from this run's inputs (:func:`settle`):
+
+- **its own key spelled otherwise** (``imgs/#0/4`` for ``imgs#0/4``: the same files);
+- **a listing shard whose every id this run lists** in its own shards (the rows and
+  error rows of its part and errors file are read: ``imgs/d0`` once, ``imgs`` now);
+- **a Parquet file this run splits otherwise** (a whole-file shard, now row groups,
+  or the reverse);
+- **a tar or Parquet file that is gone** and that this run's inputs would list were it
+  there (below a listed folder, or matched by a glob component by component).
+
+A listing shard that shares only some ids with this run (``imgs`` once, ``imgs/*.png``
+now, which lists neither ``imgs/sub/`` nor ``imgs/scan.dat``) loses just those rows
+(:func:`prune`: its part and errors file are written again without them), so each id
+has one row, this run's. Any other is kept: of inputs this run does not name (another
+data set written to the same output, a folder since renamed), and the run counts them.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .inputs import decode_name, encode_name
+from .readers import is_tar
+from .remote import expand_braces, filesystem, is_url
+from .shard_output import ShardOutput
+from .shard_plan import PlanReport, Shard, key_input, key_source
+from .sinks.base import need
+
+
+@dataclass
+class Earlier:
+    """What :func:`settle` did with the finished shards this run does not plan."""
+
+    removed: list[str] = field(default_factory=list)
+    #: of inputs this run does not name: kept
+    kept: list[str] = field(default_factory=list)
+    #: kept without the rows of ids this run writes: shard key -> how many went
+    pruned: dict[str, int] = field(default_factory=dict)
+
+
+def settle(output: ShardOutput, shards: list[Shard], specs: list[str],
+           report: PlanReport) -> Earlier:
+    """Remove what can go of the finished shards `output` holds that `shards` (the whole
+    plan) lacks, as the module doc says; -> what was done."""
+    planned = {s.key for s in shards}
+    ids = {encode_name(f) for s in shards if s.kind == "files" for f in s.files}
+    files = {key_input(s.source) for s in shards if s.kind != "files"}   # tars, Parquet
+    done = Earlier()
+    gone = []
+    for key in output.others({s.sid for s in shards}):
+        src = key_source(key)
+        if _respelled(key, src) in planned:
+            gone.append(key)   # the same shard
+        elif _is_listing(key, src):
+            held = output.row_ids(Shard(key, "files", src).sid)
+            if held and held <= ids:
+                gone.append(key)
+            elif held and held & ids:
+                done.pruned[key] = prune(output, key, held & ids)
+            else:
+                done.kept.append(key)
+        elif key_input(_raw(src)) in files:
+            gone.append(key)   # a file this run reads, split (or spelled) otherwise
+        elif _would_list(src, specs, report) and not _exists(src, output.opts):
+            gone.append(key)
+        else:
+            done.kept.append(key)
+    output.retire([Shard(k, "files", k) for k in gone],
+                  "its files are this run's, in other shards, or gone")
+    done.removed = gone
+    return done
+
+
+def prune(output: ShardOutput, key: str, drop: set[str]) -> int:
+    """Write shard `key`'s part and errors file again without the rows whose id is in
+    `drop`, then its marker with the new files and counts; -> the rows and error rows
+    removed. (The part comes first: a kill before the marker leaves a marker whose sizes
+    no longer match, which only a planned shard's check reads.)"""
+    loc, files, sid = output.loc, output.files(), Shard(key, "files", key).sid
+    name = f"_done-{sid}.json"
+    marker = json.loads(loc.read_many([name])[name] or b"{}")
+    before = after = 0
+    written: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="hookserve-prune-") as tmp:
+        part = f"part-{sid}.parquet" if output.fmt == "parquet" else sid
+        if output.fmt == "parquet" and part in files:
+            pq = need("pyarrow.parquet", "Parquet")
+            table = pq.read_table(_where(loc, part), filesystem=loc.fs)
+            keep = [i not in drop for i in table.column("id").to_pylist()]
+            before, table = table.num_rows, table.filter(keep)
+            after = table.num_rows
+            local = os.path.join(tmp, part)
+            pq.write_table(table, local)
+            written[part] = os.path.getsize(local)
+        elif f"{sid}/index.jsonl" in files:
+            after, before = _prune_stack(loc, files, sid, drop, os.path.join(tmp, sid),
+                                         written)
+        if written and after:
+            (loc.put_file if output.fmt == "parquet" else loc.put_tree)(
+                os.path.join(tmp, part), part)
+        elif before:
+            loc.delete(part)
+            written = {}
+    errs = f"_errors-{sid}.csv"
+    text = (loc.read_many([errs]).get(errs) or b"").decode("utf-8") if errs in files else ""
+    rows = list(csv.reader(io.StringIO(text)))[1:]
+    kept = [r for r in rows if r and r[0] not in drop]
+    if len(kept) != len(rows):
+        buf = io.StringIO()
+        csv.writer(buf).writerows([["id", "code", "message"], *kept])
+        if kept:
+            loc.put_text(errs, buf.getvalue())
+        else:
+            loc.delete(errs)
+    marker.update(files=written, rows=after, failed=len(kept),
+                  part=part if written else None, errors=errs if kept else None)
+    loc.put_text(name, json.dumps(marker, sort_keys=True) + "\n")
+    return before - after + len(rows) - len(kept)
+
+
+def _where(loc, name: str) -> str:
+    return f"{loc.path}/{name}" if loc.remote else os.path.join(loc.path, name)
+
+
+def _prune_stack(loc, files: dict, sid: str, drop: set[str], local: str,
+                 written: dict[str, int]) -> tuple[int, int]:
+    """An npy stack's folder without the rows of `drop`, built in `local`; -> (rows
+    kept, rows before)."""
+    names = [n for n in files if n.startswith(f"{sid}/")]
+    got = loc.read_many(names)
+    index = [json.loads(line) for line in (got[f"{sid}/index.jsonl"] or b"")
+             .decode("utf-8").splitlines() if line]
+    keep = [r["row"] for r in index if r["id"] not in drop]
+    os.makedirs(local)
+    with open(os.path.join(local, "index.jsonl"), "w", encoding="utf-8") as fh:
+        for i, row in enumerate(keep):
+            fh.write(json.dumps({**index[row], "row": i}) + "\n")
+    for n in names:
+        if n.endswith(".npy"):
+            arr = np.load(io.BytesIO(got[n] or b""), allow_pickle=False)
+            np.save(os.path.join(local, n[len(sid) + 1:]), arr[keep])
+    for f in sorted(os.listdir(local)):
+        written[f"{sid}/{f}"] = os.path.getsize(os.path.join(local, f))
+    return len(keep), len(index)
+
+
+def _is_listing(key: str, src: str) -> bool:
+    return key != src and not key[len(src):].startswith("#rg=")
+
+
+def _raw(src: str) -> str:
+    """A key's input or file as a path again (keys encode local names)."""
+    return src if is_url(src) else os.fsdecode(decode_name(src))
+
+
+def _respelled(key: str, src: str) -> str:
+    """`key` with its input spelled as this version spells it."""
+    return encode_name(key_input(_raw(src))) + key[len(src):]
+
+
+def _would_list(src: str, specs: list[str], report: PlanReport) -> bool:
+    """Whether this run's inputs would list the tar or Parquet file `src` (a key's
+    spelling) were it there: below a listed folder, or matched by a glob one path
+    component per pattern component (``**`` aside: not judged)."""
+    path = key_input(_raw(src))
+    for spec0 in specs:
+        for spec in expand_braces(spec0):
+            if spec in report.empty or spec in report.partial:
+                continue
+            base = key_input(spec)
+            if "*" in spec or "?" in spec or "[" in spec:
+                if "**" not in base and _glob_match(path, base):
+                    return True
+            elif is_tar(spec) or not (is_url(spec) or os.path.isdir(spec)):
+                continue
+            elif path.startswith(base.rstrip("/") + "/"):
+                return True
+    return False
+
+
+def _glob_match(path: str, pattern: str) -> bool:
+    parts, pats = path.split("/"), pattern.split("/")
+    return len(parts) == len(pats) and all(
+        fnmatch.fnmatchcase(a, p) and (p.startswith(".") or not a.startswith("."))
+        for a, p in zip(parts, pats, strict=True))
+
+
+def _exists(src: str, opts: dict) -> bool:
+    """Whether the file is there (when that cannot be told: yes, and it is kept)."""
+    try:
+        if not is_url(src):
+            return os.path.lexists(_raw(src))
+        fs, path = filesystem(src, opts)
+        return bool(fs.exists(path))
+    except Exception:  # noqa: BLE001 - a store that cannot say: keep the rows
+        return True
