@@ -156,6 +156,8 @@ def test_ids_are_one_to_one_and_give_the_name_back():
     assert all(i.encode("utf-8") for i in ids)   # valid UTF-8, every one
     assert [decode_name(i) for i in ids] == [os.fsencode(n) for n in NAMES]
     assert ids[:3] == NAMES[:3] and ids[5] == NAMES[5]   # readable names stay as they are
+    url = "https://host/caf%C3%A9%20au%20lait.jpg"   # a URL's escapes are its own
+    assert encode_name(url) == url
 
 
 @pytest.mark.parametrize("out, sharded", [("o.parquet", False), ("o_npy", False),

@@ -163,3 +163,13 @@ def test_extract_that_writes_nothing_keeps_an_earlier_npz(server, img, tmp_path)
            "--server", server.address)
     assert r.returncode == 1 and f"no arrays to write: {out} is left as it was" in r.stderr
     assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("layers, words", [
+    ("layer4:avg,layer4:max", "--layers gives layer4 twice"),
+    ("layer4,layer4:avg", "--layers gives layer4 twice"),
+    ("layer4:bogus", "--layers layer4:bogus: a reduction after ':' is one of none, avg"),
+])
+def test_extract_layer_mistakes_are_refused_before_any_call(img, layers, words):
+    r = hs("extract", str(img), "--layers", layers, "--server", "localhost:1")
+    assert r.returncode == 2 and words in r.stderr, r.stderr

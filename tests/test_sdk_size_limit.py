@@ -76,3 +76,15 @@ def test_a_lone_image_over_the_limit_says_what_to_change(small_limit):
         c.extract(BIG_RAW, ["layer4"])
     assert f"over the server's limit of {LIMIT} bytes (its --max-message-bytes)" in \
         str(err.value) and "Received message larger" not in str(err.value)
+
+
+def test_the_clients_own_send_limit_fails_one_image_too(small_limit):
+    """Over the client's own limit (a channel option), gRPC ends the call on the client
+    side: the same recovery, and the message names the client's limit."""
+    with hookserve.Client(small_limit.address, timeout=120,
+                          options=[("grpc.max_send_message_length", 500_000)]) as c:
+        results = list(c.extract_many([SMALL[0], BIG_RAW, SMALL[1]], ["layer4"],
+                                      reduction="avg"))
+    assert results[0].ok and results[2].ok
+    assert "over this client's limit of 500000 bytes" in results[1].error.message
+    assert "grpc.max_send_message_length" in results[1].error.message

@@ -83,8 +83,12 @@ def _extract(args) -> int:
             print(f"error: --out {args.out}: cannot write into {folder} (missing or "
                   "read-only): create it, or name a file elsewhere", file=sys.stderr)
             return 2
-    layers = _layer_options([x.strip() for s in args.layers for x in s.split(",")
-                             if x.strip()])
+    try:
+        layers = _layer_options([x.strip() for s in args.layers for x in s.split(",")
+                                 if x.strip()])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # One key prefix per input: its path as given, made unique if given twice.
     keys = unique_names([[p] for p in args.images],
                         lambda k: [f"{k}:{layer}" for layer in layers])
@@ -127,10 +131,16 @@ def _layer_options(names: list[str]) -> dict[str, dict | None]:
     out: dict[str, dict | None] = {}
     for item in names:
         name, sep, red = item.rpartition(":")
-        if sep and red in REDUCTIONS:
-            out[name] = {"reduction": red}
+        if not sep or red == "input":
+            name, opts = item, None
+        elif red in REDUCTIONS:
+            opts = {"reduction": red}
         else:
-            out[item] = None
+            raise ValueError(f"--layers {item}: a reduction after ':' is one of "
+                             f"{', '.join(REDUCTIONS)} (or ':input' for a module's input)")
+        if name in out:
+            raise ValueError(f"--layers gives {name} twice")
+        out[name] = opts
     return out
 
 

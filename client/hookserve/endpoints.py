@@ -127,7 +127,11 @@ class Endpoints:
         self.aio = aio
         #: Sent with every call: ``authorization: Bearer ...`` when a token is set.
         self.metadata = (("authorization", f"Bearer {token.strip()}"),) if token else ()
-        self._options = list(CHANNEL_OPTIONS) + ([] if aio else SYNC_OPTIONS) + list(options)
+        # the caller's options replace the defaults of the same name (gRPC would take
+        # the first of two)
+        given = {name for name, _ in options}
+        self._options = [o for o in [*CHANNEL_OPTIONS, *([] if aio else SYNC_OPTIONS)]
+                         if o[0] not in given] + list(options)
         self._creds = None
         if self.secure or root_certificates or certificate_chain:
             self.secure = True
@@ -142,8 +146,10 @@ class Endpoints:
         self._lock = threading.Lock()
         self.closed = False
         #: The smallest --max-message-bytes a server of these refused a stream's request
-        #: over: a stream's requests over it fail alone, and the stream goes on.
+        #: over (or this client's own send limit, `send_limit_own`): a stream's requests
+        #: over it fail alone, and the stream goes on.
         self.send_limit: int | None = None
+        self.send_limit_own = False
 
     def _connect(self) -> list[Any]:
         if self.closed:
@@ -201,9 +207,9 @@ class Endpoints:
         A `stream` a server ended because a request was over its size limit starts
         again at once, now that :attr:`send_limit` knows the limit (once per smaller
         limit)."""
-        limit = errors.receive_limit(exc) if stream else None
-        if limit is not None and (self.send_limit is None or limit < self.send_limit):
-            self.send_limit = limit
+        found = errors.send_limit(exc) if stream else None
+        if found is not None and (self.send_limit is None or found[0] < self.send_limit):
+            self.send_limit, self.send_limit_own = found
             return 0.0
         if exc.code() not in RETRYABLE:
             raise errors.from_rpc_error(exc) from None

@@ -98,36 +98,42 @@ def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
                 pass
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and details in ("", "Deadline Exceeded"):
         details = CLIENT_DEADLINE  # gRPC's own words: the client's deadline, not the server's
-    sizes = _over_receive_limit(code, details)
-    if sizes is not None:
-        details = over_limit_message("a request", *sizes)
+    found = _over_limit(code, details)
+    if found is not None:
+        details = over_limit_message("a request", *found)
     return error_for(code, details or "", retry_after_s=retry)
 
 
-#: gRPC's words when a server refuses a message over its --max-message-bytes.
-_TOO_LARGE = re.compile(r"Received message larger than max \((\d+) vs\. (\d+)\)")
+#: gRPC's words when a message is over a limit: the server's --max-message-bytes
+#: ("Received"), or this client's own send limit ("Sent").
+_TOO_LARGE = re.compile(r"(Received|Sent) message larger than max \((\d+) vs\. (\d+)\)")
 
 
-def _over_receive_limit(code: grpc.StatusCode, details: str | None) -> tuple[int, int] | None:
+def _over_limit(code: grpc.StatusCode | None, details: str | None
+                ) -> tuple[int, int, bool] | None:
+    """(size, limit, whether the limit is the client's own) of gRPC's refusal."""
     m = _TOO_LARGE.search(details or "") if code == grpc.StatusCode.RESOURCE_EXHAUSTED \
         else None
-    return None if m is None else (int(m.group(1)), int(m.group(2)))
+    return None if m is None else (int(m.group(2)), int(m.group(3)), m.group(1) == "Sent")
 
 
-def receive_limit(exc: grpc.RpcError) -> int | None:
-    """The server's largest message in bytes, when `exc` is its refusal of a larger
-    one (which ends the whole call)."""
-    sizes = _over_receive_limit(exc.code() if hasattr(exc, "code") else None,
-                                exc.details() if hasattr(exc, "details") else None)
-    return None if sizes is None else sizes[1]
+def send_limit(exc: grpc.RpcError) -> tuple[int, bool] | None:
+    """(the largest message in bytes, whether it is the client's own limit) when `exc`
+    is gRPC's refusal of a larger one (which ends the whole call)."""
+    found = _over_limit(exc.code() if hasattr(exc, "code") else None,
+                        exc.details() if hasattr(exc, "details") else None)
+    return None if found is None else found[1:]
 
 
-def over_limit_message(what: str, size: int, limit: int) -> str:
+def over_limit_message(what: str, size: int, limit: int, own: bool = False) -> str:
     """Why `what` (a request of `size` bytes on the wire) was not sent or taken."""
+    fix = ("send a smaller image (fewer pixels, or encoded as JPEG or PNG rather than raw "
+           "pixels), or raise ")
+    if own:
+        return (f"{what} of {size} bytes is over this client's limit of {limit} bytes: "
+                f"{fix}it: Client(..., options=[('grpc.max_send_message_length', BYTES)])")
     return (f"{what} of {size} bytes is over the server's limit of {limit} bytes (its "
-            "--max-message-bytes): send a smaller image (fewer pixels, or encoded as "
-            "JPEG or PNG rather than raw pixels), or raise the server's "
-            "--max-message-bytes")
+            f"--max-message-bytes): {fix}the server's --max-message-bytes")
 
 
 #: What a call that ran past the client's own timeout says.

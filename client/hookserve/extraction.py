@@ -150,7 +150,8 @@ class Extraction:
         limit = self.endpoints.send_limit
         if p.image is not None and limit is not None and len(p.image) > limit:
             p.error = errors.ResourceExhausted(errors.over_limit_message(
-                f"image {p.id!r}: its request", len(p.image), limit))
+                f"image {p.id!r}: its request", len(p.image), limit,
+                self.endpoints.send_limit_own))
             p.image = None
 
     def pull(self) -> _Pending | None:

@@ -55,7 +55,12 @@ def read_labels(path: Path) -> tuple[str, ...]:
         why = getattr(exc, "strerror", None) or str(exc)
         raise ConfigError(f"cannot read --labels file {path}: {why}") from None
     if text.lstrip()[:1] in ("[", "{"):
-        return _json_labels(path, text)
+        try:
+            data = json.loads(text)
+        except ValueError:   # a plain file whose first name starts so ("[background]")
+            data = None
+        if isinstance(data, (list, dict)):
+            return _json_labels(path, data)
     lines = [line.strip() for line in text.splitlines()]
     while lines and not lines[-1]:
         lines.pop()
@@ -69,14 +74,9 @@ def read_labels(path: Path) -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _json_labels(path: Path, text: str) -> tuple[str, ...]:
+def _json_labels(path: Path, data: list | dict) -> tuple[str, ...]:
     hint = ('a list of names, or an object from class indices to names ({"0": "tench", '
             '...} or {"0": ["n01440764", "tench"], ...})')
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"--labels file {path} looks like JSON but does not parse "
-                          f"({exc}): give {hint}, or one class name a line") from None
     if isinstance(data, dict):
         if sorted(data, key=lambda k: (len(k), k)) != [str(i) for i in range(len(data))]:
             raise ConfigError(f"--labels file {path}: the keys of its JSON object must be "

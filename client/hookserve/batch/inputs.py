@@ -32,6 +32,7 @@ import stat
 from collections.abc import Iterable, Iterator
 
 from .. import errors
+from .remote import is_url
 
 #: Extensions picked up when walking a directory (case-insensitive).
 IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
@@ -191,10 +192,11 @@ def encode_name(path: str) -> str:
     """The id of a path (as ``os`` functions return it): the path itself when it is
     valid UTF-8 and holds nothing escaping writes (``%25``, or ``%80`` to ``%FF``);
     otherwise each byte that does not decode and each ``%`` as ``%XX``. An escaped id
-    always holds one of those, an unescaped one never: two names never share an id."""
+    always holds one of those, an unescaped one never: two names never share an id.
+    A URL (valid UTF-8) is its own id: its ``%XX`` are the URL's own escapes."""
     try:
         path.encode("utf-8")
-        if not _ESCAPES.search(path):
+        if not _ESCAPES.search(path) or is_url(path):
             return path
     except UnicodeEncodeError:
         pass
@@ -210,7 +212,7 @@ def legacy_id(path: str) -> str | None:
         path.encode("utf-8")
     except UnicodeEncodeError:
         return None
-    return path if _ESCAPES.search(path) else None
+    return path if _ESCAPES.search(path) and not is_url(path) else None
 
 
 def decode_name(image_id: str) -> bytes:
