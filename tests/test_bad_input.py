@@ -223,9 +223,9 @@ def test_response_over_limit_for_one_image_fails_that_image(limited):
      INVALID, "needs a resize or a crop"),
     (spec_msg(pre=pb.Preprocessing(mode=pb.Preprocessing.MODE_RESIZE_CROP, resize=2**32 - 1)),
      INVALID, "over the limit of 8192"),
-    (spec_msg(layer("features.0"), model="vgg11", pre=pb.Preprocessing(
+    (spec_msg(layer("classifier.0"), model="vgg11", pre=pb.Preprocessing(
         mode=pb.Preprocessing.MODE_RESIZE_CROP, crop_height=8, crop_width=8)),
-     INVALID, "too small"),
+     INVALID, "layer classifier.0 cannot be computed: at input 8x8"),
 ], ids=["unknown-model", "layer-typo", "other-models-layer", "empty-layers",
         "duplicate-layer", "bad-reduction", "bad-dtype", "too-many-layers", "bad-mode",
         "native-with-resize", "half-crop", "resize-crop-without-either", "huge-resize",

@@ -6,6 +6,8 @@ test writes where torchvision would cache it.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -140,6 +142,24 @@ def test_flags_that_would_break_the_server_are_refused_at_startup(flag, value):
 
     args = build_parser().parse_args(["serve", *R18, "--device", "cpu", flag, value])
     with pytest.raises(ConfigError, match=flag):
+        build(args)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--compile", "auto", "--warm", "resnet18=layer4#100000"],
+     "batch 100000 is over --max-batch-size 32, so no batch of it ever runs"),
+    (["--compile", "auto", "--warm", "resnet18=layer4@99999x99999"],
+     "a side of 99999 is over --max-input-side 8192"),
+    (["--channels-last", "--memory-format", "contiguous"], "say opposite things"),
+    (["--port", "8011", "--http-port", "8011"], "--http-port 8011 is also --port"),
+    (["--port", "8011", "--metrics-port", "8011"], "--metrics-port 8011 is also --port"),
+])
+def test_flags_that_contradict_each_other_are_refused_at_startup(flags, words):
+    from hookserve.cli import build_parser
+    from hookserve_server.app import build
+
+    args = build_parser().parse_args(["serve", *R18, "--device", "cpu", *flags])
+    with pytest.raises(ConfigError, match=re.escape(words)):
         build(args)
 
 

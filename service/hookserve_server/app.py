@@ -96,6 +96,8 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     `preflight`, when already done)."""
     pre = pre or preflight(args)
     names, weights, device, options = check(args, pre)
+    warm = tuple(parse_warm(w, args.max_batch_size, args.max_input_side)
+                 for w in args.warm or [])   # (before any model loads)
     precisions = precision.per_model(names, [  # a model file's entry wins over the flag
         *(args.precision or []), *(f"{e.name}={e.precision}" for e in pre.entries
                                    if e.precision)])
@@ -145,7 +147,7 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     engine = Engine(models, cfg, telemetry, cache=build_cache(args, telemetry))
     engine.compile_graphs(CompileSettings(
         args.compile, args.compile_after, args.compile_max_graphs, args.compile_max_bytes,
-        tuple(parse_warm(w) for w in args.warm or []), args.compile_backend,
+        warm, args.compile_backend,
         args.compile_max_sizes))
     return engine, create_server(engine, options), telemetry
 

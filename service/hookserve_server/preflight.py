@@ -239,6 +239,20 @@ def check_ranges(args: argparse.Namespace) -> None:
     if args.warm and args.compile != "auto":
         raise ConfigError(f"--warm {args.warm[0]} compiles at start-up, and --compile is "
                           f"{args.compile}: add --compile auto, or drop --warm")
+    if args.channels_last and args.memory_format == "contiguous":
+        raise ConfigError("--channels-last and --memory-format contiguous say opposite "
+                          "things: give one of them")
+    ports = {"--port": args.port, "--http-port": args.http_port}
+    if args.metrics_port is not None and args.metrics_host in (args.host, "0.0.0.0", "::",
+                                                                 "[::]"):
+        ports["--metrics-port"] = args.metrics_port
+    taken: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port and port in taken:
+            raise ConfigError(f"{flag} {port} is also {taken[port]}: give each its own "
+                              "port (or 0 for a free one)")
+        if port:
+            taken[port] = flag
     if args.chunk_bytes > MAX_SEND_MESSAGE_BYTES - (64 << 10):
         raise ConfigError(f"--chunk-bytes must leave room under the "
                           f"{MAX_SEND_MESSAGE_BYTES >> 20} MiB send limit (and stay under "

@@ -55,8 +55,11 @@ class Warm:
     batch: int = 1
 
 
-def parse_warm(text: str) -> Warm:
-    """`MODEL=LAYER[+LAYER...][@HxW][#BATCH]`, e.g. `resnet50=layer4+layer3:input@224x224#8`."""
+def parse_warm(text: str, max_batch: int | None = None, max_side: int | None = None
+               ) -> Warm:
+    """`MODEL=LAYER[+LAYER...][@HxW][#BATCH]`, e.g. `resnet50=layer4+layer3:input@224x224#8`;
+    a batch over `max_batch` (--max-batch-size) or a side over `max_side`
+    (--max-input-side) is refused: no such batch is ever run."""
     model, sep, rest = text.partition("=")
     rest, _, batch = rest.partition("#")
     rest, _, size = rest.partition("@")
@@ -71,10 +74,16 @@ def parse_warm(text: str) -> Warm:
         warm = Warm(model.strip(), layers, hw, int(batch) if batch else 1)
         if warm.batch < 1 or (hw and min(hw) < 1):
             raise ValueError
-        return warm
     except ValueError:
         raise ConfigError(f"--warm {text!r}: write MODEL=LAYER[+LAYER...][@HxW][#BATCH], "
                           "e.g. resnet50=layer4+layer3:input@224x224#8") from None
+    if max_batch is not None and warm.batch > max_batch:
+        raise ConfigError(f"--warm {text}: batch {warm.batch} is over --max-batch-size "
+                          f"{max_batch}, so no batch of it ever runs")
+    if max_side is not None and hw and max(hw) > max_side:
+        raise ConfigError(f"--warm {text}: a side of {max(hw)} is over --max-input-side "
+                          f"{max_side}, so no image of it is ever taken")
+    return warm
 
 
 @dataclass(frozen=True)

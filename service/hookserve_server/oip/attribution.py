@@ -62,6 +62,8 @@ def check_method(name: str, method: str) -> Method:
 
 
 def _float(value, what: str) -> float:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what}={value!r}: use a number")
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -77,6 +79,9 @@ def spec_of(call: rq.InferCall, model: str, method: Method) -> AttributionSpec:
         if num.get(k, 1) < 1:
             raise InvalidArgument(f"request parameter {k}={num[k]}: use 1 or more (or "
                                   "leave it out for the default)")
+    if not 0 <= num.get("sg_seed", 0) < 2**64:   # (the native API's uint64)
+        raise InvalidArgument(f"request parameter sg_seed={str(num['sg_seed'])[:40]}: use "
+                              "0 to 2^64-1")
     sigma = _float(p.get("sg_sigma", DEFAULT_SG_SIGMA), "sg_sigma")
     if not sigma >= 0 or sigma == float("inf"):
         raise InvalidArgument(f"request parameter sg_sigma={p['sg_sigma']!r}: use a number "

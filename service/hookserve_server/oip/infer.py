@@ -5,12 +5,13 @@ outputs stacked. Counts kept per model for ModelStatistics. No torch, no protobu
 from __future__ import annotations
 
 import contextlib
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ..calls import call_stats
 from ..errors import HookserveError, ModelNotFound, ResourceExhausted
@@ -100,8 +101,11 @@ class Inference:
         self.counts = Counts()
 
     def model_names(self, name: str) -> tuple[str, str]:
-        """A model name as (served model, attribution method or "")."""
-        base, dot, method = name.partition(".")
+        """A model name as (served model, attribution method or ""): a served model's
+        own name (``timm:resnet50.a1_in1k`` holds a dot), else ``<model>.<method>``."""
+        if name in self.engine.models:
+            return name, ""
+        base, dot, method = name.rpartition(".") if "." in name else (name, "", "")
         if not base:
             raise ModelNotFound(f"unknown model {name[:100]!r}: name one of "
                                 f"{', '.join(self.engine.models)} (or <model>.<method> "
@@ -172,10 +176,8 @@ class Inference:
                 if stats["bytes"] > self.answer_limit:
                     raise ResourceExhausted(
                         f"the answer is over {self.answer_limit} bytes, this server's "
-                        "limit for one answer (--max-stream-buffer-bytes): ask for fewer "
-                        "images or outputs, or a reduction (reduction=avg); or use "
-                        "hookserve's Extract stream (the SDK's Client.extract_many), "
-                        "which sends tensors in chunks")
+                        f"limit for one answer (--max-stream-buffer-bytes): "
+                        f"{OVER_LIMIT_FIX}")
                 telemetry.bytes_sent(model, nbytes)
                 telemetry.image_done(model, "OK")
                 out.append(result)
@@ -190,15 +192,24 @@ class Inference:
         spec = ExtractionSpec(model, layers, rq.preprocess(call.params))
         rq.check_params(call.params, rq.GEOMETRY_PARAMETERS)
         tensor = rq.image_input(call)
+        per_image = self.engine.resolve(spec).answer_bytes   # (0: it varies per image)
+        n = rq.image_count(tensor)
+        if per_image and n * per_image > self.answer_limit:   # before any image is run
+            raise ResourceExhausted(
+                f"{n} images of {per_image} bytes of answer each make "
+                f"{n * per_image} bytes, over {self.answer_limit}, this server's limit for "
+                f"one answer (--max-stream-buffer-bytes): {OVER_LIMIT_FIX}")
         images = rq.images(tensor)
         results = self.results(spec, images, stats, on_cancel, deadline, tensor.name)
         outputs = []
+        room = self.answer_limit - stats["bytes"]
         for plan in plans:
-            per_image = [_output(r, plan.name) for r in results]
+            values = [_output(r, plan.name) for r in results]
             if plan.classification:
-                outputs.append(classify(plan, per_image, m.labels))
+                outputs.append(classify(plan, values, m.labels, room))
+                room -= len(outputs[-1].data)
             else:
-                outputs.append(stack(plan.name, per_image))
+                outputs.append(stack(plan.name, values))
         return InferAnswer(call.model, call.id, outputs)
 
 
@@ -217,25 +228,36 @@ def _output(result: ImageResult, name: str):
     return next(o for o in result.outputs if o.name == name)
 
 
-_UNPACK = {DType.FLOAT32: "f", DType.FLOAT16: "e"}
+#: What to do about an answer over --max-stream-buffer-bytes.
+OVER_LIMIT_FIX = ("ask for fewer images or outputs, a reduction (reduction=avg) or a "
+                  "smaller classification; or use hookserve's Extract stream (the SDK's "
+                  "Client.extract_many), which sends tensors in chunks")
+#: The most bytes one "value:index" entry of a classification takes, label aside.
+ENTRY_BYTES = 40
 
 
-def classify(plan: rq.OutPlan, per_image: list, labels: tuple[str, ...]) -> OutTensor:
+def classify(plan: rq.OutPlan, per_image: list, labels: tuple[str, ...],
+             room: int) -> OutTensor:
     """The top k values of each image as Triton's "value:index:label" BYTES [N, k]
     (no label part where the model's classes have no names: `labels`, the served
-    model's class names, do not count one per value)."""
+    model's class names, do not count one per value). Refused before the strings are
+    made when they could take more than `room` bytes."""
+    arrays = [_values(o) for o in per_image]
+    k = min([plan.classification, *(len(a) for a in arrays)])
+    named = bool(labels) and all(len(labels) == len(a) for a in arrays)
+    bound = len(arrays) * k * (ENTRY_BYTES + (max(map(len, labels)) if named else 0))
+    if bound > room:
+        raise ResourceExhausted(
+            f"output {plan.name[:100]} with classification={k} makes up to {bound} bytes "
+            f"of names, over what is left of this server's limit for one answer "
+            f"(--max-stream-buffer-bytes): {OVER_LIMIT_FIX}")
     rows = []
-    for o in per_image:
-        values = _values(o)
-        k = min(plan.classification, len(values))
-        top = sorted(range(len(values)), key=lambda i: -values[i])[:k]
-        named = len(labels) == len(values)
-        rows.extend((f"{values[i]:f}:{i}:{labels[i]}" if named else f"{values[i]:f}:{i}"
-                     ).encode() for i in top)
-    k = min(plan.classification, len(rows) // max(len(per_image), 1))
+    for values in arrays:
+        top = np.argsort(-values, kind="stable")[:k]   # ties: the lower index first
+        rows.extend((f"{float(values[i]):f}:{i}:{labels[i]}" if named
+                     else f"{float(values[i]):f}:{i}").encode() for i in top)
     return OutTensor(plan.name, "BYTES", (len(per_image), k), pack_bytes(rows))
 
 
-def _values(o) -> tuple[float, ...]:
-    size = 4 if o.dtype is DType.FLOAT32 else 2
-    return struct.unpack(f"<{len(o.data) // size}{_UNPACK[o.dtype]}", o.data)
+def _values(o) -> np.ndarray:
+    return np.frombuffer(o.data, dtype="<f4" if o.dtype is DType.FLOAT32 else "<f2")

@@ -63,7 +63,11 @@ def timeout_of(params: dict) -> int:
     if us < 0:
         raise InvalidArgument(f"request parameter timeout={us}: use microseconds (0 for "
                               "none)")
-    return us
+    return min(us, MAX_TIMEOUT_US)   # (longer is no limit: no call runs a year)
+
+
+#: The longest `timeout` taken as it is, in microseconds (a year).
+MAX_TIMEOUT_US = 365 * 86400 * 10**6
 
 
 def own_params(params: dict) -> dict:
@@ -184,6 +188,14 @@ def check_params(params: dict, allowed: tuple[str, ...], what: str = "") -> None
     if unknown:
         raise InvalidArgument(f"unknown request parameter {unknown[0][:100]!r}{what}: use "
                               f"{', '.join(allowed)}")
+
+
+def image_count(t: InTensor) -> int:
+    """How many images an IMAGE [N] or INPUT__0 [N, H, W, 3] tensor says it holds (from
+    its shape, before any is unpacked)."""
+    if t.name == IMAGE:
+        return element_count(t.shape, IMAGE)
+    return t.shape[0] if t.shape and t.shape[0] >= 0 else 0
 
 
 def images(t: InTensor) -> list[ImageInput]:

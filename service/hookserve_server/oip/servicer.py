@@ -10,6 +10,7 @@ hookserve's own service (server.py says why).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from .. import wire
-from ..errors import HookserveError, InvalidArgument, ModelNotFound
+from ..errors import HookserveError, InternalError, InvalidArgument, ModelNotFound
 from ..status import mapped, short_message
 from . import grpc_service_pb2 as pb
 from . import metadata as md
@@ -25,6 +26,8 @@ from . import model_config_pb2 as mc
 from .infer import VERSION, CallCancel, Inference
 from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
 from .tensors import InferAnswer
+
+log = logging.getLogger("hookserve.oip")
 
 if TYPE_CHECKING:
     from ..servicer import Servicer
@@ -203,7 +206,11 @@ class OipServicer:
                                                   context, cancel.set, _deadline(context),
                                                   slot=False)
                     yield pb.ModelStreamInferResponse(infer_response=to_response(answer))
-                except HookserveError as exc:
+                except Exception as exc:  # noqa: BLE001 - one request fails, not the stream
+                    if not isinstance(exc, HookserveError):
+                        log.exception("ModelStreamInfer: request %d failed", n)
+                        exc = InternalError("internal error while answering this request; the "
+                                       "server log has the details")
                     # The request's id and model go with its error, as Triton does, so a
                     # client with several requests in flight knows which one failed.
                     yield pb.ModelStreamInferResponse(

@@ -1,0 +1,82 @@
+"""The Open Inference Protocol front door holds every request to the answer limit
+before it does the work, and refuses out-of-range parameters by name.
+
+- A request whose images' answers cannot fit (N images of a fixed size) is refused
+  before any image runs.
+- A classification output is held to the limit before its names are made (k was
+  bounded only by the layer: `classification=1e9` on layer1 built 148 MB of strings).
+- A `timeout` too large for a float is no limit, not an INTERNAL; `sg_seed` outside
+  uint64 and a boolean `sg_sigma` are 400s.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from conftest import encode, rand_image
+from helpers import small_server
+
+pytest.importorskip("starlette", reason="pip install hookserve[http]")
+pytest.importorskip("uvicorn", reason="pip install hookserve[http]")
+
+from test_oip_bad_requests import infer  # noqa: E402
+
+IMG = encode(rand_image(64, 64, seed=5), "PNG")
+GOOD = {"name": "IMAGE", "datatype": "BYTES", "shape": [1],
+        "data": [{"b64": base64.b64encode(IMG).decode()}]}
+LIMIT = 2_000_000
+
+
+@pytest.fixture(scope="module")
+def srv(request):
+    from conftest import RunningServer
+
+    s = RunningServer(small_server("--http-port", "0", "--max-stream-buffer-bytes",
+                                   str(LIMIT), "--max-batch-delay-ms", "2"))
+    request.addfinalizer(lambda: s.stop(2.0))
+    return s
+
+
+def test_a_request_whose_answer_cannot_fit_is_refused_before_any_image(srv):
+    n = 100_000   # fc: 4000 bytes an image
+    pixels = {"name": "INPUT__0", "datatype": "UINT8", "shape": [n, 1, 1, 3],
+              "parameters": {"binary_data_size": 3 * n}}
+    body = (b'{"inputs": [' + str(pixels).replace("'", '"').encode() + b']}')
+    head = len(body)
+    status, answer = infer(srv, body + bytes(3 * n), headers={
+        "Inference-Header-Content-Length": str(head)})
+    assert status == 429, answer
+    assert f"{n} images of 4000 bytes of answer each make {n * 4000} bytes, over " \
+           f"{LIMIT}" in answer["error"]
+
+
+def test_a_classification_is_held_to_the_limit_before_its_names_are_made(srv):
+    huge = {"name": "layer1", "parameters": {"classification": 10**9}}
+    status, answer = infer(srv, {"inputs": [GOOD], "outputs": [huge]})
+    assert status == 429, answer
+    assert "output layer1 with classification=200704 makes up to" in answer["error"]
+    # a small one is the top k, in order, as the plain output says
+    status, top = infer(srv, {"inputs": [GOOD], "outputs": [
+        {"name": "fc", "parameters": {"classification": 5}}]})
+    status2, plain = infer(srv, {"inputs": [GOOD], "outputs": [{"name": "fc"}]})
+    assert status == status2 == 200
+    logits = np.asarray(plain["outputs"][0]["data"], dtype=np.float32)
+    want = [f"{float(logits[i]):f}:{i}" for i in np.argsort(-logits, kind="stable")[:5]]
+    assert top["outputs"][0]["data"] == want
+
+
+@pytest.mark.parametrize("model, params, status, words", [
+    ("resnet18", {"timeout": 10**400}, 200, None),
+    ("resnet18.smooth_grad", {"sg_samples": 2, "sg_seed": 2**64}, 400,
+     "sg_seed=18446744073709551616: use 0 to 2^64-1"),
+    ("resnet18.smooth_grad", {"sg_samples": 2, "sg_seed": -1}, 400, "use 0 to 2^64-1"),
+    ("resnet18.smooth_grad", {"sg_sigma": True}, 400, "sg_sigma=True: use a number"),
+])
+def test_parameters_out_of_range_are_named(srv, model, params, status, words):
+    got, answer = infer(srv, {"inputs": [GOOD], "parameters": params}, model=model)
+    assert got == status, answer
+    if words:
+        assert words in answer["error"], answer
