@@ -80,3 +80,34 @@ def test_parameters_out_of_range_are_named(srv, model, params, status, words):
     assert got == status, answer
     if words:
         assert words in answer["error"], answer
+
+
+def test_request_bodies_held_at_once_are_bounded(make_server):
+    """Clients that announce large bodies and send them slowly hold the server's
+    memory: past four bodies' worth, the next request is 429 at once, and served again
+    once the others are gone."""
+    import socket
+
+    from hookserve_server.oip.http import BODIES
+
+    from helpers import wait_until
+
+    limit = 100_000
+    s = make_server(*small_server("--http-port", "0", "--max-message-bytes", str(limit)))
+    http = s.server.http
+    slow = []
+    try:
+        for _ in range(BODIES):
+            c = socket.create_connection(("127.0.0.1", http.port))
+            c.sendall(b"POST /v2/models/resnet18/infer HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\n"
+                      + f"Content-Length: {limit}\r\n\r\n".encode() + b'{"inputs": [')
+            slow.append(c)
+        wait_until(lambda: http._held >= BODIES * limit, 30, "the slow bodies held")
+        status, answer = infer(s, {"inputs": [GOOD]})
+        assert status == 429 and "request bodies' worth of bytes" in answer["error"]
+    finally:
+        for c in slow:
+            c.close()
+    wait_until(lambda: http._held == 0, 30, "the slow bodies let go")
+    assert infer(s, {"inputs": [GOOD]})[0] == 200

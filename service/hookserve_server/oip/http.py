@@ -18,6 +18,7 @@ REST side of status.py's mapping), with a body {"error": message}.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import socket
 import threading
@@ -86,6 +87,12 @@ def _config(m: dict) -> dict:
             "output": io(m["outputs"])}
 
 
+#: Request bodies (of up to --max-message-bytes each) the REST front door holds at once.
+BODIES = 4
+#: A body whose JSON is larger than this is parsed alone.
+PARSE_ALONE = 1 << 20
+
+
 class OipHttp:
     """The REST front door: bound at construction, served by start(), ended by stop()."""
 
@@ -103,6 +110,11 @@ class OipHttp:
         self.inference = oip.inference
         self._token = token.encode() if token else None
         self.max_body_bytes = max_body_bytes
+        #: bytes of request bodies held now (read, parsed, answered): at most BODIES
+        #: bodies of the largest size; their JSON is parsed one large body at a time
+        self._held = 0
+        self._held_lock = threading.Lock()
+        self._parse_lock = threading.Lock()
         m = "/v2/models/{model}"
         routes = [Route("/v2/health/live", self._live), Route("/v2/health/ready", self._ready),
                   Route("/v2", self._server), Route("/v2/models/stats", self._stats)]
@@ -118,6 +130,7 @@ class OipHttp:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((host.strip("[]"), port))
+            self.sock.listen(2048)   # (a port another listener holds fails here, not later)
         except OSError as exc:
             self.sock.close()
             raise OSError(f"cannot serve HTTP on {host}:{port}: {exc.strerror} "
@@ -238,6 +251,28 @@ class OipHttp:
     async def _infer(self, request):
         if not self._authorized(request):
             return await self._guarded(request, None)
+        declared = request.headers.get("content-length", "")
+        held = min(int(declared), self.max_body_bytes + 1) if declared.isdigit() \
+            else self.max_body_bytes
+        if not self._hold(held):
+            return self._error(ResourceExhausted(
+                f"this server holds {BODIES} request bodies' worth of bytes now (each up to "
+                "--max-message-bytes): retry shortly, or send smaller bodies (the binary "
+                "extension, not JSON lists of numbers)", retry_after_s=1.0))
+        try:
+            return await self._infer_held(request)
+        finally:
+            with self._held_lock:
+                self._held -= held
+
+    def _hold(self, n: int) -> bool:
+        with self._held_lock:
+            if self._held and self._held + n > BODIES * self.max_body_bytes:
+                return False
+            self._held += n
+            return True
+
+    async def _infer_held(self, request):
         try:
             body = await self._body(request)
         except HookserveError as exc:
@@ -246,11 +281,15 @@ class OipHttp:
         peer = _Peer(request.client)
         header_length = request.headers.get(HEADER_LENGTH)
         cancel = CallCancel()
+        json_bytes = int(header_length) if (header_length or "").isdigit() else len(body)
 
         def infer():
             from starlette.responses import Response
-            call, binary_default = to_call(p["model"], p.get("version", ""), body,
-                                           header_length)
+            # JSON of number lists takes about 12 times its size to parse: one large
+            # body is parsed at a time
+            with self._parse_lock if json_bytes > PARSE_ALONE else contextlib.nullcontext():
+                call, binary_default = to_call(p["model"], p.get("version", ""), body,
+                                               header_length)
             answer = self.inference.infer(call, "HTTPInfer", peer, cancel.set, None)
             binary = {o.name: bool(o.params.get("binary_data", binary_default))
                       for o in call.outputs}
