@@ -278,3 +278,15 @@ def test_a_parquet_file_split_otherwise_keeps_one_row_per_image(det_server, tmp_
         write(n, group)
         _run(det_server, [path], out, capsys, *flags)
         assert _ids(out) == sorted(f"{path}#{i}" for i in range(n))
+
+
+def test_only_inputs_that_may_share_ids_have_their_parts_read():
+    from hookserve.batch.earlier_shards import _may_share
+
+    for src, specs, want in [("imgs/d0", ["imgs"], True), ("imgs", ["imgs/d0/*.png"], True),
+                             ("a", ["b"], False), ("imgs2", ["imgs"], False),
+                             ("list.txt", ["b"], True), ("a", ["paths.csv"], True),
+                             ("s3://x/a", ["s3://x/a/b"], True), ("s3://x/a", ["s3://x/b"],
+                                                                   False),
+                             ("a", ["*.png"], True)]:
+        assert _may_share(src, specs) is want, (src, specs)

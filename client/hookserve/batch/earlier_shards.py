@@ -6,7 +6,8 @@ elsewhere or its file is gone from this run's inputs (:func:`settle`):
 
 - **its own key spelled otherwise** (``imgs/#0/4`` for ``imgs#0/4``: the same files);
 - **a listing shard whose every id this run lists** in its own shards (the rows and
-  error rows of its part and errors file are read: ``imgs/d0`` once, ``imgs`` now);
+  error rows of its part and errors file are read: ``imgs/d0`` once, ``imgs`` now;
+  only for inputs that may share ids: one below the other, or a list of paths);
 - **a Parquet file this run splits otherwise** (a whole-file shard, now row groups,
   or the reverse);
 - **a tar or Parquet file that is gone** and that this run's inputs would list were it
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .inputs import decode_name, encode_name
+from .inputs import LIST_EXTS, TABLE_EXTS, decode_name, encode_name
 from .readers import is_tar
 from .remote import expand_braces, filesystem, is_url
 from .shard_output import ShardOutput
@@ -64,7 +65,8 @@ def settle(output: ShardOutput, shards: list[Shard], specs: list[str],
         if _respelled(key, src) in planned:
             gone.append(key)   # the same shard
         elif _is_listing(key, src):
-            held = output.row_ids(Shard(key, "files", src).sid)
+            held = (output.row_ids(Shard(key, "files", src).sid)
+                    if _may_share(src, specs) else None)
             if held and held <= ids:
                 gone.append(key)
             elif held and held & ids:
@@ -168,6 +170,31 @@ def _raw(src: str) -> str:
 def _respelled(key: str, src: str) -> str:
     """`key` with its input spelled as this version spells it."""
     return encode_name(key_input(_raw(src))) + key[len(src):]
+
+
+def _may_share(src: str, specs: list[str]) -> bool:
+    """Whether a listing shard of input `src` may hold ids this run's inputs list: a
+    listing's ids are the paths below its input, so inputs apart share none (their
+    parts are not read); a list or table of paths may name any."""
+    lists = LIST_EXTS | TABLE_EXTS
+    path = _stem(key_input(_raw(src)))
+    if os.path.splitext(path)[1].lower() in lists:
+        return True
+    for spec0 in specs:
+        for spec in expand_braces(spec0):
+            base = _stem(key_input(spec))
+            if os.path.splitext(base)[1].lower() in lists or base in (".", "") or \
+                    path in (".", "") or base == path or \
+                    base.startswith(path.rstrip("/") + "/") or \
+                    path.startswith(base.rstrip("/") + "/"):
+                return True
+    return False
+
+
+def _stem(path: str) -> str:
+    """A glob's folder before its first wildcard (``imgs/d0/*.png`` -> ``imgs/d0``)."""
+    magic = min((i for i in (path.find(c) for c in "*?[") if i >= 0), default=-1)
+    return path if magic < 0 else path[:magic].rsplit("/", 1)[0]
 
 
 def _would_list(src: str, specs: list[str], report: PlanReport) -> bool:
