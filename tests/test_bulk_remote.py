@@ -116,11 +116,13 @@ def test_tars_on_s3_exactly_once_over_1_2_4_workers(det_server, s3, shards, caps
         for rid, r in zip(sample, c.extract_many([shards[s] for s in sample], ["fc"],
                                                  resize=32, crop=32), strict=True):
             assert np.array_equal(r.features["fc"], outs[1][rid]["fc"])
-    # re-running a finished worker does nothing
+    # re-running a finished worker does nothing, and still says that images failed
     capsys.readouterr()
     assert main(["batch", TARS, "--out", "s3://lake/out1.parquet", "--server",
-                 det_server.address, *OPTS]) == 0
-    assert "skipped 8" in capsys.readouterr().err
+                 det_server.address, *OPTS]) == 1
+    err = capsys.readouterr().err
+    assert "skipped 8" in err and f"failed {len(CORRUPT)} ({len(CORRUPT)} in skipped " \
+        "shards)" in err, err
 
 
 def test_a_worker_without_shards_exits_0(det_server, s3, shards, capsys):

@@ -142,3 +142,13 @@ def test_run_shard_redoes_a_rewritten_tar(det_server, tmp_path):
     again = run_shard(str(tar), out, ["fc"], **kw)
     assert not again.skipped and again.rows == 4
     assert sorted(read_out(out)[0]) == sorted(f"{tar}/{n}" for n, _ in SWAPPED)
+
+
+def test_run_shard_takes_a_crop_as_the_cli_does(det_server, tmp_path):
+    from hookserve.batch import run_shard
+
+    tar = tmp_path / "s.tar"
+    tar.write_bytes(ONE)
+    res = run_shard(str(tar), str(tmp_path / "o.parquet"), ["fc"],
+                    server=det_server.address, resize=32, crop=32)
+    assert res.rows == 4

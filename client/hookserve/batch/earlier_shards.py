@@ -62,6 +62,8 @@ def settle(output: ShardOutput, shards: list[Shard], specs: list[str],
     gone = []
     for key in output.others({s.sid for s in shards}):
         src = key_source(key)
+        if _is_listing(key, src):   # (listing keys encode their input; file keys do not)
+            src = os.fsdecode(decode_name(src)) if not is_url(src) else src
         if _respelled(key, src) in planned:
             gone.append(key)   # the same shard
         elif _is_listing(key, src):
@@ -73,7 +75,7 @@ def settle(output: ShardOutput, shards: list[Shard], specs: list[str],
                 done.pruned[key] = prune(output, key, held & ids)
             else:
                 done.kept.append(key)
-        elif key_input(_raw(src)) in files:
+        elif key_input(src) in files:
             gone.append(key)   # a file this run reads, split (or spelled) otherwise
         elif _would_list(src, specs, report) and not _exists(src, output.opts):
             gone.append(key)
@@ -126,8 +128,9 @@ def prune(output: ShardOutput, key: str, drop: set[str]) -> int:
             loc.put_text(errs, buf.getvalue())
         else:
             loc.delete(errs)
-    marker.update(files=written, rows=after, failed=len(kept),
+    marker.update(files=written, rows=after, failed=len(kept), pruned=True,
                   part=part if written else None, errors=errs if kept else None)
+    marker.pop("members", None)   # (it no longer holds its input's files)
     loc.put_text(name, json.dumps(marker, sort_keys=True) + "\n")
     return before - after + len(rows) - len(kept)
 
@@ -162,14 +165,12 @@ def _is_listing(key: str, src: str) -> bool:
     return key != src and not key[len(src):].startswith("#rg=")
 
 
-def _raw(src: str) -> str:
-    """A key's input or file as a path again (keys encode local names)."""
-    return src if is_url(src) else os.fsdecode(decode_name(src))
-
-
 def _respelled(key: str, src: str) -> str:
-    """`key` with its input spelled as this version spells it."""
-    return encode_name(key_input(_raw(src))) + key[len(src):]
+    """`key` (its input `src`, decoded) with its input spelled as this version spells
+    it."""
+    listing = key[len(key_source(key)):]
+    return (encode_name(key_input(src)) if listing and not listing.startswith("#rg=")
+            else key_input(src)) + listing
 
 
 def _may_share(src: str, specs: list[str]) -> bool:
@@ -177,7 +178,7 @@ def _may_share(src: str, specs: list[str]) -> bool:
     listing's ids are the paths below its input, so inputs apart share none (their
     parts are not read); a list or table of paths may name any."""
     lists = LIST_EXTS | TABLE_EXTS
-    path = _stem(key_input(_raw(src)))
+    path = _stem(key_input(src))
     if os.path.splitext(path)[1].lower() in lists:
         return True
     for spec0 in specs:
@@ -201,7 +202,7 @@ def _would_list(src: str, specs: list[str], report: PlanReport) -> bool:
     """Whether this run's inputs would list the tar or Parquet file `src` (a key's
     spelling) were it there: below a listed folder, or matched by a glob one path
     component per pattern component (``**`` aside: not judged)."""
-    path = key_input(_raw(src))
+    path = key_input(src)
     for spec0 in specs:
         for spec in expand_braces(spec0):
             if spec in report.empty or spec in report.partial:
@@ -212,9 +213,18 @@ def _would_list(src: str, specs: list[str], report: PlanReport) -> bool:
                     return True
             elif is_tar(spec) or not (is_url(spec) or os.path.isdir(spec)):
                 continue
-            elif path.startswith(base.rstrip("/") + "/"):
+            elif _below(path, base):
                 return True
     return False
+
+
+def _below(path: str, folder: str) -> bool:
+    """Whether `path` lies below `folder` ("." holds every relative path that does not
+    climb out of it)."""
+    if folder == ".":
+        return not (is_url(path) or os.path.isabs(path) or path == ".."
+                    or path.startswith("../"))
+    return path.startswith(folder.rstrip("/") + "/")
 
 
 def _glob_match(path: str, pattern: str) -> bool:
@@ -228,7 +238,7 @@ def _exists(src: str, opts: dict) -> bool:
     """Whether the file is there (when that cannot be told: yes, and it is kept)."""
     try:
         if not is_url(src):
-            return os.path.lexists(_raw(src))
+            return os.path.lexists(src)
         fs, path = filesystem(src, opts)
         return bool(fs.exists(path))
     except Exception:  # noqa: BLE001 - a store that cannot say: keep the rows

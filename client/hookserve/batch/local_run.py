@@ -53,7 +53,8 @@ def plan(paths: list[str], done: dict, cap: Cap | None = None
     failures: list[tuple[str, str, str]] = []
     work: list[Item] = []
     skipped = 0
-    for p in paths:
+    ids = {encode_name(p) for p in paths}   # (an earlier id that is another file's now
+    for p in paths:                         # is that file's, not this one's)
         name = encode_name(p)  # the id: valid UTF-8 whatever the file name's bytes
         try:
             st = os.stat(p)
@@ -66,7 +67,7 @@ def plan(paths: list[str], done: dict, cap: Cap | None = None
                              f"{what}, not a regular file: only regular files are read"))
             continue
         prev = done.get(name)
-        if prev is None and (old := legacy_id(p)) is not None:
+        if prev is None and (old := legacy_id(p)) is not None and old not in ids:
             prev = done.get(old)   # written by an earlier version under another id
         if prev is not None:
             if (prev[0], prev[1]) == (st.st_size, st.st_mtime_ns):

@@ -161,7 +161,7 @@ def tar_entries(path: str, opts: dict, cap: Cap, timeout: float) -> Iterator[Ent
                 name = m.name
                 if not is_image(m.name):
                     continue
-                mid = f"{path}/{m.name}"
+                mid = encode_name(f"{path}/{m.name}")   # (a member's name: any bytes)
                 if not m.isreg():
                     kind = ("a symlink" if m.issym() else "a hard link" if m.islnk()
                             else "a directory" if m.isdir() else "not a regular file")

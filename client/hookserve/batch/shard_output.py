@@ -88,6 +88,8 @@ class ShardOutput:
         self._files: dict[str, int] | None = None
         #: why markers were not trusted (printed by the run)
         self.notes: list[str] = []
+        #: the error rows of the shards :meth:`done` found done (an earlier run's)
+        self.failed_before = 0
 
     def open(self) -> None:
         """Check the settings of an existing output, or write them (no lock: every
@@ -129,6 +131,8 @@ class ShardOutput:
                 continue
             ok.add(shard.sid)
             marker = json.loads(texts[name])
+            failed = marker.get("failed")
+            self.failed_before += failed if isinstance(failed, int) else 0
             if not marker.keys() & {"members", "stamp"} and self._input(shard):
                 marker.update(self._input(shard))
                 self.loc.put_text(name, json.dumps(marker, sort_keys=True) + "\n")
@@ -298,6 +302,8 @@ def _invalid_marker(text: bytes | None, shard: Shard, now: dict[str, str],
         return "its done marker is unreadable"
     if marker.get("shard") != shard.key:
         return "its done marker names another shard"
+    if marker.get("pruned"):
+        return "a run of other inputs removed some of its rows"
     if "members" in now:
         # A marker from before markers recorded the files: its row and error counts
         # must still add up to the shard's files.

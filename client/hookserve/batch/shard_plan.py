@@ -14,8 +14,8 @@ Planning (:func:`plan_shards`) costs one listing per input, never a request per 
 - any other folder, prefix, glob or file is listed once, and its image files are cut
   into ``--listing-shards`` shards by a hash of each file's name (key
   ``<input>#<b>/<B>``), so adding files never moves an existing one to another shard;
-  the shards a file joins or leaves (or whose file changes size) are done again
-  (:attr:`Shard.members`).
+  the shards a file joins or leaves (or, where the listing gives sizes: object stores,
+  whose file changes size) are done again (:attr:`Shard.members`).
   Their ids are their paths or URLs (a local name that is not valid UTF-8 is encoded
   as :func:`~.inputs.encode_name` says). A file named by several inputs is listed once.
 
@@ -135,7 +135,11 @@ def _listing(spec: str, opts: dict, report: PlanReport | None = None
     if is_url(spec):
         fs, path = filesystem(spec, opts)
         if _glob.has_magic(path):
-            return sorted((fs.unstrip_protocol(p), int(i.get("size") or 0))
+            # each match spelled like the URL given (memory://b/x, not memory:///b/x),
+            # as a folder's listing spells it
+            head = spec[:len(spec) - len(path)] if spec.endswith(path) else None
+            return sorted((head + p if head is not None else fs.unstrip_protocol(p),
+                           int(i.get("size") or 0))
                           for p, i in fs.glob(path, detail=True).items()
                           if i.get("type", "file") == "file")
         try:

@@ -157,7 +157,7 @@ def run_sharded(args: argparse.Namespace) -> int:
         results, fatal, interrupted = _run_pool(args, client, todo, output, layers, xopts,
                                                 read_opts(args, opts, cap))
     return _report(args, results, fatal, interrupted, len(mine) - len(todo), len(todo),
-                   time.monotonic() - t0)
+                   time.monotonic() - t0, output.failed_before)
 
 
 def _say_earlier(earlier: Earlier) -> None:
@@ -172,14 +172,15 @@ def _say_earlier(earlier: Earlier) -> None:
 
 
 def _report(args, results: list[ShardResult], fatal, interrupted: bool, skipped: int,
-            n_todo: int, elapsed: float) -> int:
+            n_todo: int, elapsed: float, failed_before: int = 0) -> int:
     rows = sum(r.rows for r in results)
-    failed = sum(r.failed for r in results)
+    failed = sum(r.failed for r in results) + failed_before   # (skipped shards' too)
     open_ = [r for r in results if not r.complete]
     summary = (f"hookserve batch: shards done {len(results) - len(open_)}"
                + (f", not finished {len(open_)}" if open_ else "")
-               + f", skipped {skipped}, images {rows}, failed {failed}, "
-               f"{rows / max(elapsed, 1e-9):.1f} img/s in {elapsed:.1f}s -> {args.out}")
+               + f", skipped {skipped}, images {rows}, failed {failed}"
+               + (f" ({failed_before} in skipped shards)" if failed_before else "")
+               + f", {rows / max(elapsed, 1e-9):.1f} img/s in {elapsed:.1f}s -> {args.out}")
     if failed:
         summary += f" (errors: {args.out.rstrip('/')}/_errors-*.csv)"
     if fatal is not None:  # one line: what stopped the run, and how far it came

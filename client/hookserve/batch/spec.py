@@ -10,7 +10,7 @@ import time
 from .. import errors
 from ..cli_args import make_client
 from ..tables import REDUCTIONS, follows_size, reduced_shape, split_port
-from ..types import Layer
+from ..types import Layer, parse_size
 from .errors import Abort
 from .limits import Cap, file_cap
 from .sinks import format_of
@@ -53,7 +53,7 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict, Cap]:
     per-file cap: --max-file-bytes lowered to what every server described accepts)."""
     from .. import __version__
 
-    crop = args.crop
+    crop = parse_size(args.crop, "crop") if args.crop is not None else None   # (run_shard: 32)
     # dtype and l2_normalize travel inside each Layer.
     opts = {"native": args.native, "resize": args.resize, "crop": crop}
     try:
