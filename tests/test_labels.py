@@ -132,13 +132,25 @@ def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
     '["c0", "c1", "c2"]',
     '{"0": "c0", "1": "c1", "2": "c2"}',
     '{"2": ["n3", "c2"], "0": ["n1", "c0"], "1": ["n2", "c1"]}',   # imagenet_class_index
+    "index,name\n0,c0\n1,c1\n2,c2\n",                               # a CSV with its header
 ])
-def test_labels_files_in_the_usual_forms(tmp_path, text):
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16"])
+def test_labels_files_in_the_usual_forms(tmp_path, text, encoding):
     from hookserve_server.labels import read_labels
 
     path = tmp_path / "labels"
-    path.write_text(text)
+    path.write_bytes(text.encode(encoding))
     assert read_labels(path) == ("c0", "c1", "c2")
+
+
+def test_a_labels_file_in_another_encoding_says_to_save_it_as_utf8(tmp_path):
+    from hookserve_server.errors import ConfigError
+    from hookserve_server.labels import read_labels
+
+    path = tmp_path / "labels.txt"
+    path.write_bytes("café\nthé\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 .*: save it as UTF-8"):
+        read_labels(path)
 
 
 def test_a_plain_file_whose_first_name_starts_like_json(tmp_path):

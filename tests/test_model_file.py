@@ -148,9 +148,23 @@ def test_an_input_size_the_architecture_refuses_names_the_model_and_key(tmp_path
         '[[model]]\narchitecture = "vit_b_32"\nname = "v"\nweights = "random"\n'
         '[model.preprocessing]\ncrop = 256\n')
     with pytest.raises(ConfigError, match="model v: input size 256x256 "
-                       "\\(preprocessing.crop\\): input 256x256 is too small or invalid "
-                       "for v: Wrong image height! Expected 224 but got 256!"):
+                       "\\(preprocessing.crop\\): v runs at 224x224 only, not 256x256"):
         RunningServer(["--models", str(tmp_path / "models.toml")], start=False)
+
+
+@pytest.mark.parametrize("arch", ["maxvit_t", "vit_b_32"])
+def test_a_fixed_size_architecture_names_its_size_at_any_other(arch):
+    """maxvit fails at any size but 224 deep inside its windows (a reshape error), and
+    a larger input cannot help: the one size it takes is said instead."""
+    from hookserve_server.capture.table import LayerTables
+    from hookserve_server.errors import InvalidArgument
+
+    tables = LayerTables(arch, arch, torch.float32)
+    assert tables.at(224, 224)
+    for size in ((64, 64), (256, 256), (224, 448)):
+        with pytest.raises(InvalidArgument, match=f"{arch} runs at 224x224 only, not "
+                           f"{size[0]}x{size[1]}"):
+            tables.at(*size)
 
 
 def test_a_weights_file_that_does_not_fit_names_the_model_entry(tmp_path):

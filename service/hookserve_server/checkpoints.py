@@ -48,7 +48,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: code run: torchvision's reference training scripts save their argparse arguments.
 SAFE_GLOBALS = [argparse.Namespace]
 #: Keys under which training scripts nest the state_dict, tried in this order.
-NESTED_KEYS = ("state_dict", "model_state_dict", "model")
+NESTED_KEYS = ("state_dict", "model_state_dict", "model",
+               # an exponential moving average alone (torchvision's reference scripts,
+               # timm): served when the file holds no plain weights beside it
+               "model_ema", "state_dict_ema", "ema_state_dict", "ema")
 #: The buffer batch norm counts its training steps in, which a file may lack.
 BN_COUNTER = ".num_batches_tracked"
 #: How many dot-separated parts a prefix (`under_prefix`) may have.
@@ -131,6 +134,9 @@ def normalise(obj: object, path: Path, keys: Collection[str] = ()
             if _is_tensor_dict(obj.get(key)):
                 obj = obj[key]
                 break
+    if _is_tensor_dict(obj) and any("._orig_mod." in k for k in obj):
+        # a torch.compile'd submodule (model.features = torch.compile(model.features))
+        obj = type(obj)((k.replace("._orig_mod.", "."), v) for k, v in obj.items())
     if not _is_tensor_dict(obj):
         held = ("an empty dict" if obj == {} else
                 f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"

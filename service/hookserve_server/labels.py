@@ -50,10 +50,16 @@ def read_labels(path: Path) -> tuple[str, ...]:
     indices to names (``{"0": "tench"}``, or ``{"0": ["n01440764", "tench"]}`` as in
     imagenet_class_index.json)."""
     try:
-        text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is no name)
-    except (OSError, UnicodeDecodeError) as exc:
-        why = getattr(exc, "strerror", None) or str(exc)
-        raise ConfigError(f"cannot read --labels file {path}: {why}") from None
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --labels file {path}: {exc.strerror}") from None
+    # (a byte-order mark is no name: UTF-8's, or UTF-16's as Windows tools save it)
+    utf16 = raw.startswith((b"\xff\xfe", b"\xfe\xff"))
+    try:
+        text = raw.decode("utf-16" if utf16 else "utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--labels file {path} is not UTF-8 (byte {exc.start} is "
+                          f"{raw[exc.start:exc.start + 1]!r}): save it as UTF-8") from None
     if text.lstrip()[:1] in ("[", "{"):
         try:
             data = json.loads(text)
@@ -67,10 +73,12 @@ def read_labels(path: Path) -> tuple[str, ...]:
     if "" in lines:
         raise ConfigError(f"--labels file {path}: line {lines.index('') + 1} is empty "
                           "(one class name a line)")
-    found = [_INDEXED.match(line) for line in lines]
-    if lines and all(m and int(m.group(1)) == i and m.group(2)
-                     for i, m in enumerate(found)):
-        return tuple(m.group(2).strip() for m in found if m)   # a CSV: index,name
+    for head in (0, 1):   # a CSV of index,name, with or without a header row
+        found = [_INDEXED.match(line) for line in lines[head:]]
+        if len(lines) > head and all(m and int(m.group(1)) == i and m.group(2)
+                                     for i, m in enumerate(found)) and \
+                (not head or "," in lines[0] or "\t" in lines[0]):
+            return tuple(m.group(2).strip() for m in found if m)
     return tuple(lines)
 
 

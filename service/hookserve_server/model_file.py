@@ -196,4 +196,8 @@ def _triple(value: Any, key: str, where: str) -> tuple[float, float, float]:
     if not ok:
         raise ConfigError(f"{where}: preprocessing.{key} must be three finite numbers "
                           f"(R, G, B){', each above 0' if key == 'std' else ''}, got {value!r}")
+    if any(abs(v) > 1 for v in value):   # (mmcv and detectron write 0-255)
+        raise ConfigError(f"{where}: preprocessing.{key} {value!r} is on the 0-255 scale; "
+                          "hookserve scales pixels to 0-1 first, as torchvision does: divide "
+                          f"by 255 ({[round(v / 255, 4) for v in value]})")
     return tuple(float(v) for v in value)  # type: ignore[return-value]

@@ -224,6 +224,7 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
                     "transform_input = true for it in --models", arch, path, arch)
     model = build(arch, NO_HEAD if classes is None else classes, bool(transform_input),
                   left_out=left_out, linear_head=replaced)
+    _head_bias_as_saved(model, sd, head_modules(head))
     load_into(model, sd, f"weights file {path}", arch, head)
     if classes is None:
         classes = NO_HEAD
@@ -232,6 +233,16 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
                  arch, path, ", ".join(head), " and ".join(left_out))
     return model, WeightsInfo("file", path.name, state_dict_digest(model.state_dict()), True,
                               num_classes=classes, left_out=left_out, linear_head=replaced)
+
+
+def _head_bias_as_saved(model: nn.Module, sd: dict, head: tuple[str, ...]) -> None:
+    """A head Linear with a bias where torchvision's has none (maxvit's), or none where
+    torchvision's has one (a bias-free linear probe), is rebuilt as the file holds it."""
+    for path in head:
+        mod = model.get_submodule(path) if f"{path}.weight" in sd else None
+        if isinstance(mod, nn.Linear) and (f"{path}.bias" in sd) != (mod.bias is not None):
+            model.set_submodule(path, nn.Linear(mod.in_features, mod.out_features,
+                                                bias=f"{path}.bias" in sd))
 
 
 def resolve_device(device: str) -> torch.device:

@@ -28,6 +28,9 @@ from .tracing import tracing
 
 #: Input sizes whose table is kept per model.
 CACHED_SIZES = 512
+#: Architectures that run at one input size and do not say so themselves (vit's
+#: `image_size` does): its side.
+FIXED_SIDE = {"maxvit_t": 224}
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ class LayerTables:
         self.model_name = model_name
         self.dtype = dtype
         self._meta = build_meta(arch, num_classes, left_out, transform_input, linear_head)
+        #: the one input size the architecture runs at (vit, maxvit), or None
+        side = FIXED_SIDE.get(arch) or getattr(self._meta, "image_size", None)
+        self.fixed = (side, side) if isinstance(side, int) else None
         self._meta.eval().requires_grad_(False).to(dtype=dtype)
         self._lock = threading.Lock()
         #: (height, width) -> its table, the CACHED_SIZES most recently used
@@ -173,6 +179,11 @@ class LayerTables:
             self._fx = fx_nodes(self._meta, layers)
 
     def _dry_run(self, height: int, width: int) -> LayerTable:
+        if self.fixed and (height, width) != self.fixed:
+            raise InvalidArgument(
+                f"{self.model_name} runs at {self.fixed[0]}x{self.fixed[1]} only, not "
+                f"{height}x{width}: leave the preprocessing at its default, or resize or "
+                f"crop to {self.fixed[0]}x{self.fixed[1]}")
         found: list[tuple[str, str, str, torch.Tensor]] = []
         running: list[tuple[str, str, tuple]] = []   # module calls begun, not yet ended
         calls: dict[str, int] = {}
