@@ -224,6 +224,7 @@ def _tree(root) -> None:
      False),
     ((["imgs/*"], ["imgs"]), {"a.png", "b.png", "scan.dat", "sub/c.png"}, True),
     ((["imgs"], ["imgs/sub"], ["imgs"]), {"a.png", "b.png", "sub/c.png"}, False),
+    ((["imgs"], ["im*/a.png"]), {"a.png", "b.png", "sub/c.png"}, False),
 ])
 @pytest.mark.parametrize("out", ["o.parquet", "o_npy"])
 def test_no_earlier_row_is_removed_unless_this_run_writes_it(det_server, tmp_path, capsys,
@@ -362,3 +363,58 @@ def test_a_glob_on_a_store_spells_ids_as_its_folder_does(det_server, tmp_path, c
     for spec in (base, base + "/*.png"):
         _run(det_server, [spec], out, capsys, *FLAGS)
         assert _ids(out) == [f"{base}/{i}.png" for i in range(3)]
+
+
+def test_a_listing_that_missed_a_folder_removes_no_earlier_rows(det_server, tmp_path,
+                                                                capsys, monkeypatch):
+    """A folder that cannot be listed leaves its input's shards as they were: their
+    files listed now are not taken as this run's, so no earlier shard of them goes."""
+    import hookserve.batch.shard_plan as plan
+
+    imgs = tmp_path / "imgs"
+    _images(imgs, 1, 370)
+    out = tmp_path / "o.parquet"
+    one = ("--sharded", "--listing-shards", "1")
+    _run(det_server, [imgs], out, capsys, *one)
+    _images(imgs, 1, 371, "d0")
+    (imgs / "locked").mkdir()
+    _run(det_server, [imgs / "d0"], out, capsys, *one)
+    walk = os.walk
+
+    def unreadable(top, onerror=None, **kw):   # as an unreadable folder lists
+        for entry in walk(top, onerror=onerror, **kw):
+            if entry[0].endswith("locked") and onerror is not None:
+                onerror(PermissionError(13, "Permission denied", entry[0]))
+                continue
+            yield entry
+    monkeypatch.setattr(plan.os, "walk", unreadable)
+    err = _run(det_server, [imgs], out, capsys, *one)
+    assert "rows are removed" not in err, err
+    assert _ids(out) == sorted([f"{imgs}/00.png", f"{imgs}/d0/00.png"])
+
+
+def test_a_torn_earlier_shard_is_kept_not_fatal(det_server, tmp_path, capsys):
+    import numpy as np
+
+    imgs = tmp_path / "imgs"
+    _images(imgs, 3, 380)
+    out = tmp_path / "o_npy"
+    one = ("--sharded", "--listing-shards", "1")
+    _run(det_server, [imgs], out, capsys, *one)
+    (sid,) = [p for p in os.listdir(out) if not p.startswith("_")]
+    arr = np.load(out / sid / "fc.npy")
+    np.save(out / sid / "fc.npy", arr[:2])   # as a write cut short leaves it
+    err = _run(det_server, [imgs / "00.png"], out, capsys, *one)
+    assert "could not be written again without them" in err and "kept" in err, err
+
+
+def test_tar_members_on_a_store_get_ids_of_their_own(det_server, tmp_path, capsys):
+    import fsspec
+
+    img = encode(rand_image(32, 32, seed=390))
+    url = f"memory://tm{os.getpid()}/t.tar"
+    fsspec.filesystem("memory").pipe(url[len("memory:/"):], tar_bytes(
+        [("caf\udce9.png", img), ("caf%E9.png", img)]))
+    out = tmp_path / "o.parquet"
+    _run(det_server, [url], out, capsys)
+    assert _ids(out) == [f"{url}/caf%25E9.png", f"{url}/caf%E9.png"]

@@ -111,3 +111,8 @@ def test_request_bodies_held_at_once_are_bounded(make_server):
             c.close()
     wait_until(lambda: http._held == 0, 30, "the slow bodies let go")
     assert infer(s, {"inputs": [GOOD]})[0] == 200
+
+
+def test_a_shape_that_claims_more_images_than_it_holds_is_the_requests_mistake(srv):
+    status, answer = infer(srv, {"inputs": [{**GOOD, "shape": [10**7]}]})
+    assert status == 400 and "shape [10000000] says 10000000 images" in answer["error"], answer

@@ -148,6 +148,8 @@ def test_flags_that_would_break_the_server_are_refused_at_startup(flag, value):
 @pytest.mark.parametrize("flags, words", [
     (["--compile", "auto", "--warm", "resnet18=layer4#100000"],
      "batch 100000 is over --max-batch-size 32, so no batch of it ever runs"),
+    (["--compile", "auto", "--max-batch-size", "6", "--warm", "resnet18=layer4#16"],
+     "batch 16 is over --max-batch-size 6"),   # (#8 is the graph batches of 5 or 6 run)
     (["--compile", "auto", "--warm", "resnet18=layer4@99999x99999"],
      "a side of 99999 is over --max-input-side 8192"),
     (["--channels-last", "--memory-format", "contiguous"], "say opposite things"),

@@ -56,7 +56,9 @@ def settle(output: ShardOutput, shards: list[Shard], specs: list[str],
     """Remove what can go of the finished shards `output` holds that `shards` (the whole
     plan) lacks, as the module doc says; -> what was done."""
     planned = {s.key for s in shards}
-    ids = {encode_name(f) for s in shards if s.kind == "files" for f in s.files}
+    # (a shard whose listing missed a folder keeps its marker as it is: its files now
+    # may not be in its part)
+    ids = {encode_name(f) for s in shards if s.kind == "files" and s.whole for f in s.files}
     files = {key_input(s.source) for s in shards if s.kind != "files"}   # tars, Parquet
     done = Earlier()
     gone = []
@@ -72,7 +74,11 @@ def settle(output: ShardOutput, shards: list[Shard], specs: list[str],
             if held and held <= ids:
                 gone.append(key)
             elif held and held & ids:
-                done.pruned[key] = prune(output, key, held & ids)
+                try:
+                    done.pruned[key] = prune(output, key, held & ids)
+                except Exception as exc:  # noqa: BLE001 - another worker's, or torn
+                    output.notes.append(f"shard {key}: holds ids this run writes, and could "
+                                        f"not be written again without them ({exc}); kept")
             else:
                 done.kept.append(key)
         elif key_input(src) in files:
@@ -90,11 +96,14 @@ def settle(output: ShardOutput, shards: list[Shard], specs: list[str],
 def prune(output: ShardOutput, key: str, drop: set[str]) -> int:
     """Write shard `key`'s part and errors file again without the rows whose id is in
     `drop`, then its marker with the new files and counts; -> the rows and error rows
-    removed. (The part comes first: a kill before the marker leaves a marker whose sizes
-    no longer match, which only a planned shard's check reads.)"""
+    removed. (The marker says "pruned" first: a kill before the end leaves a shard that a
+    run which plans it does again, and that a run which does not keeps or prunes anew.)"""
     loc, files, sid = output.loc, output.files(), Shard(key, "files", key).sid
     name = f"_done-{sid}.json"
     marker = json.loads(loc.read_many([name])[name] or b"{}")
+    marker.pop("members", None)   # (it no longer holds its input's files)
+    marker["pruned"] = True   # first: a kill below leaves a marker no run trusts as done
+    loc.put_text(name, json.dumps(marker, sort_keys=True) + "\n")
     before = after = 0
     written: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="hookserve-prune-") as tmp:
@@ -128,9 +137,8 @@ def prune(output: ShardOutput, key: str, drop: set[str]) -> int:
             loc.put_text(errs, buf.getvalue())
         else:
             loc.delete(errs)
-    marker.update(files=written, rows=after, failed=len(kept), pruned=True,
+    marker.update(files=written, rows=after, failed=len(kept),
                   part=part if written else None, errors=errs if kept else None)
-    marker.pop("members", None)   # (it no longer holds its input's files)
     loc.put_text(name, json.dumps(marker, sort_keys=True) + "\n")
     return before - after + len(rows) - len(kept)
 
@@ -155,6 +163,8 @@ def _prune_stack(loc, files: dict, sid: str, drop: set[str], local: str,
     for n in names:
         if n.endswith(".npy"):
             arr = np.load(io.BytesIO(got[n] or b""), allow_pickle=False)
+            if len(arr) != len(index):   # (a write another run left half done)
+                raise ValueError(f"{n} has {len(arr)} rows, its index {len(index)}")
             np.save(os.path.join(local, n[len(sid) + 1:]), arr[keep])
     for f in sorted(os.listdir(local)):
         written[f"{sid}/{f}"] = os.path.getsize(os.path.join(local, f))
@@ -195,7 +205,10 @@ def _may_share(src: str, specs: list[str]) -> bool:
 def _stem(path: str) -> str:
     """A glob's folder before its first wildcard (``imgs/d0/*.png`` -> ``imgs/d0``)."""
     magic = min((i for i in (path.find(c) for c in "*?[") if i >= 0), default=-1)
-    return path if magic < 0 else path[:magic].rsplit("/", 1)[0]
+    if magic < 0:
+        return path
+    head = path[:magic]
+    return head.rsplit("/", 1)[0] if "/" in head else ""   # ("im*/a.png": no folder)
 
 
 def _would_list(src: str, specs: list[str], report: PlanReport) -> bool:

@@ -161,7 +161,10 @@ def tar_entries(path: str, opts: dict, cap: Cap, timeout: float) -> Iterator[Ent
                 name = m.name
                 if not is_image(m.name):
                     continue
-                mid = encode_name(f"{path}/{m.name}")   # (a member's name: any bytes)
+                # a member's name may hold any bytes: escaped like a file's (a URL's own
+                # escapes are its own, so there the member alone)
+                mid = (f"{path}/{encode_name(m.name)}" if is_url(path)
+                       else encode_name(f"{path}/{m.name}"))
                 if not m.isreg():
                     kind = ("a symlink" if m.issym() else "a hard link" if m.islnk()
                             else "a directory" if m.isdir() else "not a regular file")

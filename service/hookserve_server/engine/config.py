@@ -77,7 +77,8 @@ def parse_warm(text: str, max_batch: int | None = None, max_side: int | None = N
     except ValueError:
         raise ConfigError(f"--warm {text!r}: write MODEL=LAYER[+LAYER...][@HxW][#BATCH], "
                           "e.g. resnet50=layer4+layer3:input@224x224#8") from None
-    if max_batch is not None and warm.batch > max_batch:
+    # (graphs are kept per power-of-two batch: the one that holds --max-batch-size runs)
+    if max_batch is not None and warm.batch > 1 << max(0, max_batch - 1).bit_length():
         raise ConfigError(f"--warm {text}: batch {warm.batch} is over --max-batch-size "
                           f"{max_batch}, so no batch of it ever runs")
     if max_side is not None and hw and max(hw) > max_side:

@@ -194,7 +194,7 @@ class Inference:
         tensor = rq.image_input(call)
         per_image = self.engine.resolve(spec).answer_bytes   # (0: it varies per image)
         n = rq.image_count(tensor)
-        if per_image and n * per_image > self.answer_limit:   # before any image is run
+        if per_image and n * per_image > self.answer_limit and rq.plausible(tensor, n):
             raise ResourceExhausted(
                 f"{n} images of {per_image} bytes of answer each make "
                 f"{n * per_image} bytes, over {self.answer_limit}, this server's limit for "
@@ -232,8 +232,9 @@ def _output(result: ImageResult, name: str):
 OVER_LIMIT_FIX = ("ask for fewer images or outputs, a reduction (reduction=avg) or a "
                   "smaller classification; or use hookserve's Extract stream (the SDK's "
                   "Client.extract_many), which sends tensors in chunks")
-#: The most bytes one "value:index" entry of a classification takes, label aside.
-ENTRY_BYTES = 40
+#: The most bytes one "value:index:" entry of a classification takes, label aside: a
+#: float32 written with "%f" (up to 46 characters), the index, and its length prefix.
+ENTRY_BYTES = 64
 
 
 def classify(plan: rq.OutPlan, per_image: list, labels: tuple[str, ...],
@@ -245,7 +246,8 @@ def classify(plan: rq.OutPlan, per_image: list, labels: tuple[str, ...],
     arrays = [_values(o) for o in per_image]
     k = min([plan.classification, *(len(a) for a in arrays)])
     named = bool(labels) and all(len(labels) == len(a) for a in arrays)
-    bound = len(arrays) * k * (ENTRY_BYTES + (max(map(len, labels)) if named else 0))
+    longest = max(len(x.encode()) for x in labels) if named else 0
+    bound = len(arrays) * k * (ENTRY_BYTES + longest)
     if bound > room:
         raise ResourceExhausted(
             f"output {plan.name[:100]} with classification={k} makes up to {bound} bytes "

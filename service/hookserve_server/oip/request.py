@@ -198,6 +198,15 @@ def image_count(t: InTensor) -> int:
     return t.shape[0] if t.shape and t.shape[0] >= 0 else 0
 
 
+def plausible(t: InTensor, n: int) -> bool:
+    """Whether the tensor's contents could hold the `n` images its shape says (each
+    BYTES element takes at least its 4-byte length): a shape that claims more is the
+    request's mistake, which `images` names, not an answer too large."""
+    if t.name == IMAGE:
+        return len(t.data) >= (n if isinstance(t.data, list) else 4 * n)
+    return len(t.data) >= n * element_count(t.shape[1:], PIXELS)
+
+
 def images(t: InTensor) -> list[ImageInput]:
     """An IMAGE or INPUT__0 tensor as one ImageInput per image (at least one)."""
     out = _images(t)
