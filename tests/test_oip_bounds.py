@@ -116,3 +116,12 @@ def test_request_bodies_held_at_once_are_bounded(make_server):
 def test_a_shape_that_claims_more_images_than_it_holds_is_the_requests_mistake(srv):
     status, answer = infer(srv, {"inputs": [{**GOOD, "shape": [10**7]}]})
     assert status == 400 and "shape [10000000] says 10000000 images" in answer["error"], answer
+
+
+def test_an_attribution_whose_maps_cannot_fit_is_refused_before_any_image(srv):
+    """resnet18.gradient with top_k=8: 8 maps of 3x224x224 floats an image."""
+    n = 2
+    status, answer = infer(srv, {"inputs": [{**GOOD, "shape": [n], "data": GOOD["data"] * n}],
+                                 "parameters": {"top_k": 8}}, model="resnet18.gradient")
+    assert status == 429, answer
+    assert f"{n} images of " in answer["error"] and "bytes of answer each" in answer["error"]

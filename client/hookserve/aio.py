@@ -82,12 +82,16 @@ async def _pull(run: Extraction) -> _Pending | None:
         images: Any = run.images
         run.source = aiter(images) if hasattr(images, "__aiter__") else iter(images)
     source: Any = run.source
-    if hasattr(source, "__anext__"):
-        try:
-            obj = await anext(source)
-        except StopAsyncIteration:
+    try:
+        if hasattr(source, "__anext__"):
+            try:
+                obj = await anext(source)
+            except StopAsyncIteration:
+                return None
+        elif (obj := next(source, _NONE)) is _NONE:
             return None
-    elif (obj := next(source, _NONE)) is _NONE:
+    except Exception as exc:  # noqa: BLE001 - the caller's; raised after the results
+        run.source_error = exc
         return None
     return await asyncio.to_thread(run.admit, obj) if _is_path(obj) else run.admit(obj)
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from . import errors
 from .attribution import (
@@ -49,9 +50,39 @@ def health_status(raw: bytes) -> str:
     return _HEALTH_NAMES.get(status, f"UNKNOWN({status})")
 
 
+#: Longer timeouts are no limit (gRPC's deadline, in int64 nanoseconds, overflows
+#: past about 292 years; a call never needs more than this).
+MAX_TIMEOUT_S = 10.0 ** 8
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
+    """A timeout as the SDK takes it: seconds above 0, or None (or infinity) for no
+    limit. Raises ValueError otherwise (0 is no "no limit" here: that is None)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"{what} must be seconds (a number), or None for no limit; "
+                         f"got {timeout!r}")
+    if not timeout > 0:   # (nan too)
+        raise ValueError(f"{what} must be above 0 seconds, or None for no limit; got "
+                         f"{timeout!r}")
+    return None if timeout > MAX_TIMEOUT_S else float(timeout)
+
+
 def deadline_of(timeout: float | None) -> float | None:
     """The monotonic deadline `timeout` seconds from now (None: none)."""
+    timeout = check_timeout(timeout)
     return None if timeout is None else time.monotonic() + timeout
+
+
+def _iterable_of_images(images: Any) -> Any:
+    """`images` for a ..._many call: one image passed alone is a mistake that would be
+    iterated (a path's characters, an array's rows)."""
+    if isinstance(images, (str, bytes, bytearray, memoryview, os.PathLike, np.ndarray)) \
+            or type(images).__module__.startswith("PIL."):
+        raise TypeError(f"images is one {type(images).__name__}: pass an iterable of "
+                        "images, such as [image], or call extract/attribute for one")
+    return images
 
 
 class ClientBase:
@@ -93,7 +124,7 @@ class ClientBase:
             retries=retries, retry_backoff=retry_backoff, options=options, aio=self._aio)
         self.addresses = self._endpoints.addresses
         self.secure = self._endpoints.secure
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.max_in_flight = max(1, int(max_in_flight))
         self.retries = self._endpoints.retries
         self.retry_backoff = retry_backoff
@@ -145,7 +176,8 @@ class ClientBase:
                           l2_normalize=l2_normalize, native=native, resize=resize, crop=crop)
         window = max(1, int(max_in_flight or self.max_in_flight))
         deadline = _deadline if _deadline is not None else deadline_of(timeout)
-        return self._drive(Extraction(self._endpoints, spec, images, ids, window, deadline))
+        return self._drive(Extraction(self._endpoints, spec, _iterable_of_images(images),
+                                      ids, window, deadline))
 
     def attribute_many(self, images: Iterable[Any], layer: str | None = AUTO_LAYER,
                        method: str = "grad_cam", model: str | None = None, *,
@@ -181,7 +213,7 @@ class ClientBase:
         window = max(1, int(max_in_flight or self.max_in_flight))
         deadline = _deadline if _deadline is not None else deadline_of(timeout)
         run = AttributionRun(
-            self._endpoints, spec, images, ids, targets, window, deadline,
+            self._endpoints, spec, _iterable_of_images(images), ids, targets, window, deadline,
             (lambda: geometry) if geometry is not None
             else (lambda: self._default_geometry(model or "")))
         run.default_geometry = geometry is None

@@ -77,6 +77,10 @@ def _extract(args) -> int:
               "NAME.npz (for .h5, .parquet or a folder of .npy files, use hookserve "
               "batch)", file=sys.stderr)
         return 2
+    if args.out and os.path.isdir(args.out):
+        print(f"error: --out {args.out} is a folder: name the .npz file to write",
+              file=sys.stderr)
+        return 2
     if args.out:
         folder = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
@@ -120,7 +124,7 @@ def _extract(args) -> int:
                 os.remove(tmp)
             raise OSError(f"--out {args.out}: cannot write it: {exc.strerror or exc}"
                           ) from None
-        print(f"wrote {len(out)} arrays to {args.out}")
+        print(f"wrote {len(out)} array{'s' if len(out) != 1 else ''} to {args.out}")
     return 1 if failed else 0
 
 

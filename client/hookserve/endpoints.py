@@ -133,6 +133,9 @@ class Endpoints:
         self._options = [o for o in [*CHANNEL_OPTIONS, *([] if aio else SYNC_OPTIONS)]
                          if o[0] not in given] + list(options)
         self._creds = None
+        if bool(certificate_chain) != bool(private_key):   # (gRPC aborts the process)
+            raise ValueError("certificate_chain and private_key go together: a client "
+                             "certificate needs its key (the CLI's --cert and --key)")
         if self.secure or root_certificates or certificate_chain:
             self.secure = True
             self._creds = grpc.ssl_channel_credentials(

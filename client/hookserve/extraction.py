@@ -78,6 +78,8 @@ class Extraction:
         self.pending: collections.deque[_Pending] = collections.deque()
         self.next_index = 0
         self.exhausted = False
+        #: what the caller's images raised: raised once every image before it is out
+        self.source_error: BaseException | None = None
 
     def run(self) -> Iterator[Any]:
         return self.endpoints.stream(self._stream)
@@ -130,6 +132,8 @@ class Extraction:
             image_id = next(self.ids, None)
             if image_id is None:
                 raise ValueError(f"ids has fewer items than images (ran out at image {index})")
+            if not isinstance(image_id, str):
+                raise TypeError(f"ids are strings: id {index} is {image_id!r}")
             wire_id = image_id
         else:
             # Answers are matched by order, so the default wire id is only the position:
@@ -155,12 +159,18 @@ class Extraction:
             p.image = None
 
     def pull(self) -> _Pending | None:
-        """The next image admitted from a (sync) iterable, None once it ran out."""
+        """The next image admitted from a (sync) iterable, None once it ran out (or
+        raised: :attr:`source_error`, raised once the answered images are out)."""
         if self.source is None:
             self.source = iter(self.images)
-        for obj in self.source:
-            return self.admit(obj)
-        return None
+        try:
+            obj = next(self.source)
+        except StopIteration:
+            return None
+        except Exception as exc:  # noqa: BLE001 - the caller's; raised after the results
+            self.source_error = exc
+            return None
+        return self.admit(obj)
 
     # -- the exchange, without I/O -----------------------------------------------------
     def steps(self) -> Step:
@@ -197,6 +207,8 @@ class Extraction:
                 if self.exhausted:
                     while (yield READ, None) is not None:  # drain to the end of the call
                         pass
+                    if self.source_error is not None:
+                        raise self.source_error
                     return
                 continue
             msg = yield READ, None

@@ -24,7 +24,8 @@ def to_image(obj: Any, image_id: str) -> pb.Image:
     - ``bytes`` / ``bytearray`` / ``memoryview``: sent as encoded image bytes.
     - ``numpy.ndarray``: HxWx3 uint8 RGB (HxW grayscale and HxWx4 RGBA are converted),
       sent as raw pixels.
-    - ``PIL.Image.Image``: converted to RGB and sent as raw pixels.
+    - ``PIL.Image.Image``: converted to RGB (16-bit: its high byte, as for a 16-bit
+      PNG; floating point is refused) and sent as raw pixels.
     """
     if isinstance(obj, (str, os.PathLike)):
         with open(obj, "rb") as fh:
@@ -32,12 +33,26 @@ def to_image(obj: Any, image_id: str) -> pb.Image:
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return pb.Image(id=image_id, encoded=bytes(obj))
     if type(obj).__module__.startswith("PIL."):
-        obj = np.asarray(obj.convert("RGB"))
+        obj = _pil_rgb(obj)
     if isinstance(obj, np.ndarray):
         return _array_image(obj, image_id)
     raise TypeError(
         f"unsupported image type {type(obj).__name__}: pass a path, encoded bytes, "
         "a PIL image or an HxWx3 uint8 numpy array")
+
+
+def _pil_rgb(img: Any) -> np.ndarray:
+    """A PIL image as HxWx3 uint8 RGB. 16- and 32-bit integer images keep their high
+    byte, as the server reduces a 16-bit PNG (PIL's own convert clips them at 255);
+    floating-point images have no one scale and are refused."""
+    if img.mode == "F":
+        raise TypeError("a PIL image of mode F (floating point) has no one pixel scale: "
+                        "convert it to 8-bit first, e.g. Image.fromarray((a * 255)"
+                        ".round().astype('uint8')) for values in 0..1")
+    if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        a = (np.clip(np.asarray(img).astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
+        return np.repeat(a[:, :, None], 3, axis=2)
+    return np.asarray(img.convert("RGB"))
 
 
 def _array_image(a: np.ndarray, image_id: str) -> pb.Image:

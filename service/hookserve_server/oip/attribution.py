@@ -141,6 +141,7 @@ def attribute(inf: Inference, call: rq.InferCall, model: str, method_name: str,
                                   f"parameters (got {extra[0][:100]!r}): the request "
                                   "parameters set the attribution")
     tensor = rq.image_input(call, extra=(TARGET,))
+    inf.check_fits(spec, tensor)
     images = rq.images(tensor)
     per_target = targets(call, len(images))
     images = [AttributeInput(i.id, i.encoded, i.raw, i.height, i.width, target=t)

@@ -153,6 +153,18 @@ class Inference:
                 self.counts.record(call.model, stats["images"], ok,
                                    time.perf_counter_ns() - t0)
 
+    def check_fits(self, spec, tensor: rq.InTensor) -> None:
+        """Refuse, before any image runs, a request whose images' answers cannot fit
+        the limit: where every image's answer has one size (the default geometry, or a
+        resize and crop), that size times the images the tensor says it holds."""
+        per_image = self.engine.resolve(spec).answer_bytes   # (0: it varies per image)
+        n = rq.image_count(tensor)
+        if per_image and n * per_image > self.answer_limit and rq.plausible(tensor, n):
+            raise ResourceExhausted(
+                f"{n} images of {per_image} bytes of answer each make "
+                f"{n * per_image} bytes, over {self.answer_limit}, this server's limit for "
+                f"one answer (--max-stream-buffer-bytes): {OVER_LIMIT_FIX}")
+
     def results(self, spec, images, stats: dict, on_cancel, deadline, input_name: str
                 ) -> list[ImageResult]:
         """Every image's result, in order, through one Session; the first failed image
@@ -192,13 +204,7 @@ class Inference:
         spec = ExtractionSpec(model, layers, rq.preprocess(call.params))
         rq.check_params(call.params, rq.GEOMETRY_PARAMETERS)
         tensor = rq.image_input(call)
-        per_image = self.engine.resolve(spec).answer_bytes   # (0: it varies per image)
-        n = rq.image_count(tensor)
-        if per_image and n * per_image > self.answer_limit and rq.plausible(tensor, n):
-            raise ResourceExhausted(
-                f"{n} images of {per_image} bytes of answer each make "
-                f"{n * per_image} bytes, over {self.answer_limit}, this server's limit for "
-                f"one answer (--max-stream-buffer-bytes): {OVER_LIMIT_FIX}")
+        self.check_fits(spec, tensor)
         images = rq.images(tensor)
         results = self.results(spec, images, stats, on_cancel, deadline, tensor.name)
         outputs = []

@@ -1,0 +1,98 @@
+"""SDK calls a new user gets a little wrong: each is refused at once with a message
+that says what to pass, or does what the user meant; none crashes the process,
+sends nonsense, or loses answers already computed.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import hookserve
+
+from conftest import encode, rand_image
+from helpers import hs
+
+SMALL = rand_image(48, 48, seed=21)
+
+
+def test_a_client_certificate_without_its_key_is_refused_not_a_crash(tmp_path):
+    """gRPC aborts the whole process (SIGABRT) on a certificate without its key."""
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    key.write_text("-----BEGIN PRIVATE KEY-----\n")
+    with pytest.raises(ValueError, match="certificate_chain and private_key go together"):
+        hookserve.Client("localhost:1", certificate_chain=cert)
+    with pytest.raises(ValueError, match="certificate_chain and private_key go together"):
+        hookserve.Client("localhost:1", private_key=key)
+    r = hs("models", "--cert", str(cert), "--server", "localhost:1")
+    assert r.returncode == 2 and "certificate_chain and private_key go together" in r.stderr
+
+
+@pytest.mark.parametrize("timeout, ok", [(math.inf, True), (1e10, True), (None, True),
+                                         (0, False), (-1, False), (math.nan, False),
+                                         ("5", False), (True, False)])
+def test_timeouts_are_seconds_above_0_or_none(server, timeout, ok):
+    if not ok:
+        with pytest.raises(ValueError, match="None for no limit"):
+            hookserve.Client(server.address, timeout=timeout)
+        with server.client() as c, pytest.raises(ValueError, match="None for no limit"):
+            list(c.extract_many([SMALL], ["fc"], timeout=timeout))
+        return
+    with hookserve.Client(server.address, timeout=timeout) as c:   # (inf, huge: no limit)
+        assert c.extract(SMALL, ["fc"])["fc"].shape == (1000,)
+        assert [r.ok for r in c.extract_many([SMALL], ["fc"], timeout=timeout)] == [True]
+
+
+@pytest.mark.parametrize("one", ["cat.jpg", b"\x89PNG", SMALL, Image.fromarray(SMALL)])
+def test_one_image_passed_to_a_many_call_is_refused(server, one):
+    with server.client() as c:
+        with pytest.raises(TypeError, match="pass an iterable of images, such as \\[image\\]"):
+            c.extract_many(one, ["fc"])
+        with pytest.raises(TypeError, match="pass an iterable of images"):
+            c.attribute_many(one)
+
+
+def test_16_bit_pil_images_are_reduced_as_16_bit_files_are(server):
+    g16 = (np.random.default_rng(3).integers(0, 65536, (48, 48))).astype(np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(g16).save(buf, "PNG")   # a 16-bit PNG: the server keeps its high byte
+    with server.client() as c:
+        as_file = c.extract(buf.getvalue(), ["fc"])["fc"]
+        for img in (Image.fromarray(g16), Image.fromarray(g16.astype(np.int32))):  # I;16, I
+            np.testing.assert_array_equal(c.extract(img, ["fc"])["fc"], as_file)
+        with pytest.raises(hookserve.errors.InvalidArgument, match="mode F .* convert it"):
+            c.extract(Image.fromarray(g16.astype(np.float32) / 65535), ["fc"])
+
+
+def test_images_that_raise_midway_give_their_answers_first(server):
+    """The answers of the images before the failure are the caller's; then it raises."""
+    def images():
+        for i in range(5):
+            yield rand_image(32, 32, seed=i)
+        raise RuntimeError("the source broke")
+
+    got = []
+    with server.client() as c:
+        with pytest.raises(RuntimeError, match="the source broke"):
+            for r in c.extract_many(images(), ["fc"], max_in_flight=8):
+                got.append(r.index)
+    assert got == [0, 1, 2, 3, 4]
+
+
+def test_ids_are_strings(server):
+    with server.client() as c, pytest.raises(TypeError, match="ids are strings: id 0 is 1"):
+        list(c.extract_many([SMALL], ["fc"], ids=[1]))
+
+
+def test_extract_out_that_is_a_folder_is_refused_before_any_call(tmp_path):
+    img = tmp_path / "a.png"
+    img.write_bytes(encode(SMALL))
+    (tmp_path / "d.npz").mkdir()
+    r = hs("extract", str(img), "--layers", "fc", "--out", str(tmp_path / "d.npz"),
+           "--server", "localhost:1")
+    assert r.returncode == 2 and "is a folder: name the .npz file" in r.stderr, r.stderr
