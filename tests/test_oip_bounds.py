@@ -125,3 +125,17 @@ def test_an_attribution_whose_maps_cannot_fit_is_refused_before_any_image(srv):
                                  "parameters": {"top_k": 8}}, model="resnet18.gradient")
     assert status == 429, answer
     assert f"{n} images of " in answer["error"] and "bytes of answer each" in answer["error"]
+
+
+@pytest.mark.parametrize("model, body, words", [
+    ("resnet18.grad_cam", {"parameters": {"ig_steps": 5}},
+     "ig_steps is an option of integrated_gradients, not of grad_cam"),
+    ("resnet18.gradient", {"parameters": {"sg_samples": 5}},
+     "sg_samples is an option of smooth_grad"),
+    ("resnet18.grad_cam", {"parameters": {"target": 5}, "extra": [
+        {"name": "TARGET", "datatype": "INT64", "shape": [1], "data": [7]}]},
+     "both the TARGET input and the target parameter"),
+])
+def test_attribution_parameters_that_would_be_ignored_are_refused(srv, model, body, words):
+    got, answer = infer(srv, {"inputs": [GOOD, *body.pop("extra", [])], **body}, model=model)
+    assert got == 400 and words in answer["error"], answer

@@ -96,3 +96,22 @@ def test_extract_out_that_is_a_folder_is_refused_before_any_call(tmp_path):
     r = hs("extract", str(img), "--layers", "fc", "--out", str(tmp_path / "d.npz"),
            "--server", "localhost:1")
     assert r.returncode == 2 and "is a folder: name the .npz file" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"steps": 5}, "steps is an option of integrated_gradients, not of grad_cam"),
+    ({"baseline": "black"}, "baseline is an option of integrated_gradients"),
+    ({"sigma": 0.3}, "sigma is an option of smooth_grad"),
+    ({"samples": 4}, "samples is an option of smooth_grad"),
+])
+def test_options_of_another_attribution_method_are_refused(server, tmp_path, options,
+                                                           words):
+    """They would be ignored: the user meant another method, or nothing."""
+    with server.client() as c, pytest.raises(ValueError, match=words):
+        c.attribute(SMALL, "layer4", method="grad_cam", **options)
+    img = tmp_path / "x.png"
+    img.write_bytes(encode(SMALL))
+    flag, value = next(iter(options.items()))
+    r = hs("attribute", str(img), f"--{flag}", str(value), "--out", str(tmp_path / "m"),
+           "--server", server.address)
+    assert r.returncode == 2 and words in r.stderr, r.stderr

@@ -178,6 +178,14 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
                         ("seed", seed)):
         if int(value) < 0:
             raise ValueError(f"{what} must be >= 0, got {value}")
+    # options of another method would be ignored: say so
+    for what, given, owner in (("steps", steps, "integrated_gradients"),
+                               ("baseline", baseline != "zeros", "integrated_gradients"),
+                               ("samples", samples, "smooth_grad"),
+                               ("sigma", sigma, "smooth_grad"), ("seed", seed, "smooth_grad")):
+        if given and method != owner:
+            raise ValueError(f"{what} is an option of {owner}, not of {method}: drop it, or "
+                             f"use method={owner!r}")
     spec = pb.AttributionSpec(
         model=model or "", layer=resolve_layer(layer, method) or "", method=METHODS[method],
         score=SCORES[score],

@@ -69,13 +69,14 @@ def add_attribute_parser(sub) -> None:
     s.add_argument("--upsample", action="store_true",
                    help="CAM maps upsampled to the model's input size")
     s.add_argument("--steps", type=int, default=0,
-                   help="integrated_gradients: path intervals (default: 32)")
+                   help="integrated_gradients: path intervals (0: the default, 32)")
     s.add_argument("--baseline", default="zeros", choices=list(BASELINES),
                    help="integrated_gradients: the baseline (default: %(default)s)")
     s.add_argument("--samples", type=int, default=0,
-                   help="smooth_grad: noisy copies (default: 16)")
+                   help="smooth_grad: noisy copies (0: the default, 16)")
     s.add_argument("--sigma", type=float, default=0.0,
-                   help="smooth_grad: noise, a fraction of the input's range (default: 0.15)")
+                   help="smooth_grad: noise, a fraction of the input's range (0: the "
+                        "default, 0.15)")
     s.add_argument("--seed", type=int, default=0, help="smooth_grad: noise seed")
     s.add_argument("--alpha", type=float, default=0.5,
                    help="overlay: weight of the heat map, 0..1 (default: %(default)s)")

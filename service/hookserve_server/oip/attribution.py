@@ -73,6 +73,12 @@ def _float(value, what: str) -> float:
 def spec_of(call: rq.InferCall, model: str, method: Method) -> AttributionSpec:
     p = call.params
     rq.check_params(p, PARAMETERS, " for an attribution")
+    for key in p:   # options of another method would be ignored: say so
+        owner = {"ig": Method.INTEGRATED_GRADIENTS, "sg": Method.SMOOTH_GRAD}.get(key[:2])
+        if owner is not None and key[2:3] == "_" and owner is not method:
+            raise InvalidArgument(f"request parameter {key} is an option of "
+                                  f"{owner.label}, not of {method.label}: drop it, or use "
+                                  f"{model}.{owner.label}")
     num = {k: rq.as_int(p[k], k) for k in ("top_k", "ig_steps", "sg_samples", "sg_seed")
            if k in p}
     for k in ("top_k", "ig_steps", "sg_samples"):
@@ -104,6 +110,9 @@ def targets(call: rq.InferCall, n: int) -> list[int | None]:
     """Each image's target class: the TARGET input, the `target` parameter, or None
     (the spec's top_k classes)."""
     given = [t for t in call.inputs if t.name == TARGET]
+    if given and "target" in call.params:
+        raise InvalidArgument(f"both the {TARGET} input and the target parameter name the "
+                              "classes: send one of them")
     if given:
         t = given[0]
         if t.datatype not in ("INT64", "INT32"):
