@@ -115,3 +115,36 @@ def test_options_of_another_attribution_method_are_refused(server, tmp_path, opt
     r = hs("attribute", str(img), f"--{flag}", str(value), "--out", str(tmp_path / "m"),
            "--server", server.address)
     assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+def test_max_in_flight_is_a_whole_number_of_images(server):
+    for bad in (0, -1, 1.5, "8"):
+        with pytest.raises(ValueError, match="max_in_flight must be a whole number"):
+            hookserve.Client(server.address, max_in_flight=bad)
+        with server.client() as c, pytest.raises(ValueError, match="max_in_flight"):
+            c.extract_many([SMALL], ["fc"], max_in_flight=bad)
+
+
+def test_the_asyncio_client_in_a_plain_with_says_async_with():
+    with pytest.raises(TypeError, match="used with `async with`"):
+        with hookserve.aio.Client("localhost:1"):
+            pass
+
+
+def test_tls_on_one_side_only_says_what_to_change(pki, server):
+    from conftest import RunningServer
+
+    tls = RunningServer(["--model", "resnet18", "--weights", "random", "--tls-cert",
+                         str(pki["server"].cert_path), "--tls-key",
+                         str(pki["server"].key_path)])
+    try:
+        with hookserve.Client(tls.address, timeout=30, retries=0) as c, \
+                pytest.raises(hookserve.errors.Unavailable, match="if the server uses TLS, "
+                                                                  "address it as grpcs://"):
+            c.list_models()
+    finally:
+        tls.stop(2.0)
+    with hookserve.Client(f"grpcs://{server.address}", timeout=30, retries=0) as c, \
+            pytest.raises(hookserve.errors.Unavailable, match="does not speak TLS on this "
+                                                              "port"):
+        c.list_models()

@@ -117,6 +117,13 @@ class Client(ClientBase):
         ValueError."""
         await asyncio.gather(*self._endpoints.close())
 
+    def __enter__(self) -> Client:
+        raise TypeError("hookserve.aio.Client is used with `async with`, not `with` (or "
+                        "use hookserve.Client for blocking calls)")
+
+    def __exit__(self, *exc: object) -> None:  # (never entered: see __enter__)
+        return None
+
     async def __aenter__(self) -> Client:
         return self
 

@@ -75,6 +75,13 @@ def deadline_of(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
+def check_window(n: Any, what: str = "max_in_flight") -> int:
+    """An in-flight window: a whole number of images, 1 or more."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{what} must be a whole number of images, 1 or more; got {n!r}")
+    return n
+
+
 def _iterable_of_images(images: Any) -> Any:
     """`images` for a ..._many call: one image passed alone is a mistake that would be
     iterated (a path's characters, an array's rows)."""
@@ -125,7 +132,7 @@ class ClientBase:
         self.addresses = self._endpoints.addresses
         self.secure = self._endpoints.secure
         self.timeout = check_timeout(timeout)
-        self.max_in_flight = max(1, int(max_in_flight))
+        self.max_in_flight = check_window(max_in_flight)
         self.retries = self._endpoints.retries
         self.retry_backoff = retry_backoff
         #: model name ("" = the default) -> its default preprocessing geometry
@@ -174,7 +181,8 @@ class ClientBase:
         """
         spec = build_spec(layers, model, reduction=reduction, dtype=dtype,
                           l2_normalize=l2_normalize, native=native, resize=resize, crop=crop)
-        window = max(1, int(max_in_flight or self.max_in_flight))
+        window = (self.max_in_flight if max_in_flight is None
+                  else check_window(max_in_flight))
         deadline = _deadline if _deadline is not None else deadline_of(timeout)
         return self._drive(Extraction(self._endpoints, spec, _iterable_of_images(images),
                                       ids, window, deadline))
@@ -210,7 +218,8 @@ class ClientBase:
             upsample=upsample, steps=steps, baseline=baseline, samples=samples, sigma=sigma,
             seed=seed, native=native, resize=resize, crop=crop)
         geometry = request_geometry(native, resize, crop)
-        window = max(1, int(max_in_flight or self.max_in_flight))
+        window = (self.max_in_flight if max_in_flight is None
+                  else check_window(max_in_flight))
         deadline = _deadline if _deadline is not None else deadline_of(timeout)
         run = AttributionRun(
             self._endpoints, spec, _iterable_of_images(images), ids, targets, window, deadline,

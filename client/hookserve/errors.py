@@ -101,7 +101,23 @@ def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
     found = _over_limit(code, details)
     if found is not None:
         details = over_limit_message("a request", *found)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        details = (details or "") + _tls_hint(details or "")
     return error_for(code, details or "", retry_after_s=retry)
+
+
+def _tls_hint(details: str) -> str:
+    """What to change when a connection failed for TLS on one side only."""
+    if "WRONG_VERSION_NUMBER" in details:
+        return (" (the server does not speak TLS on this port: address it without "
+                "grpcs://, and drop --ca/--cert/--key)")
+    if "handshake" in details.lower() or "CERTIFICATE_VERIFY_FAILED" in details:
+        return (" (the TLS handshake failed: give the server's CA with --ca, "
+                "root_certificates= in the SDK)")
+    if details.rstrip().endswith("Socket closed"):
+        return (" (if the server uses TLS, address it as grpcs://host:port, with --ca, "
+                "root_certificates= in the SDK, for a private CA)")
+    return ""
 
 
 #: gRPC's words when a message is over a limit: the server's --max-message-bytes
