@@ -142,13 +142,21 @@ def test_the_model_files_precisions_are_the_servers():
     assert PRECISIONS == tuple(p.value for p in Precision)
 
 
-def test_an_input_size_the_architecture_refuses_names_the_model_and_key(tmp_path):
-    """vit takes its training size only: torchvision asserts it (an AssertionError)."""
+@pytest.mark.parametrize("arch, preprocessing, match", [
+    # vit takes its training size only
+    ("vit_b_32", "crop = 256", "model v: input size 256x256 \\(preprocessing.crop\\): v "
+                               "runs at 224x224 only, not 256x256"),
+    # a model's own input size must run the whole model (vgg11's last pooling: 0x0)
+    ("vgg11", "resize = 16\ncrop = 16", "model v: input size 16x16 \\(preprocessing.crop\\)"
+                                       ": at input 16x16, features.20 \\(MaxPool2d\\) of v "
+                                       "cannot run"),
+])
+def test_an_input_size_the_architecture_refuses_names_the_model_and_key(tmp_path, arch,
+                                                                        preprocessing, match):
     (tmp_path / "models.toml").write_text(
-        '[[model]]\narchitecture = "vit_b_32"\nname = "v"\nweights = "random"\n'
-        '[model.preprocessing]\ncrop = 256\n')
-    with pytest.raises(ConfigError, match="model v: input size 256x256 "
-                       "\\(preprocessing.crop\\): v runs at 224x224 only, not 256x256"):
+        f'[[model]]\narchitecture = "{arch}"\nname = "v"\nweights = "random"\n'
+        f'[model.preprocessing]\n{preprocessing}\n')
+    with pytest.raises(ConfigError, match=match):
         RunningServer(["--models", str(tmp_path / "models.toml")], start=False)
 
 

@@ -1,8 +1,8 @@
 """An input too small for the whole model still has the layers before the module
 that cannot run (vgg11 at 16x16: its fifth pooling would give 0x0, but every layer
-before it has a shape). Those are served; a later layer, Attribute (which needs the
-class scores) and a model whose own input size is too small are refused, naming the
-module that cannot run and what to send instead.
+before it has a shape). Those are served; a later layer and Attribute (which needs the
+class scores) are refused, naming the module that cannot run and what to send instead
+(a model whose own input size is too small: tests/test_model_file.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 import hookserve
 from hookserve_server.capture.table import LayerTables, entry
-from hookserve_server.errors import ConfigError, InvalidArgument
+from hookserve_server.errors import InvalidArgument
 
 from conftest import RunningServer, rand_image
 from helpers import small_server
@@ -87,12 +87,3 @@ def test_a_table_stops_at_the_first_module_that_cannot_run(arch, size, stops_at)
 def test_an_input_too_small_for_the_first_layer_is_refused_whole():
     with pytest.raises(InvalidArgument, match="input 1x1 is too small or invalid for alexnet"):
         LayerTables("alexnet", "alexnet", torch.float32).at(1, 1)
-
-
-def test_a_model_whose_own_input_is_too_small_does_not_start(tmp_path):
-    (tmp_path / "models.toml").write_text(
-        '[[model]]\narchitecture = "vgg11"\nname = "v"\nweights = "random"\n'
-        '[model.preprocessing]\nresize = 16\ncrop = 16\n')
-    with pytest.raises(ConfigError, match="model v: input size 16x16 \\(preprocessing.crop\\)"
-                       ": at input 16x16, features.20 \\(MaxPool2d\\) of v cannot run"):
-        RunningServer(["--models", str(tmp_path / "models.toml")], start=False)

@@ -64,11 +64,12 @@ def settle(output: ShardOutput, shards: list[Shard], specs: list[str],
     gone = []
     for key in output.others({s.sid for s in shards}):
         src = key_source(key)
-        if _is_listing(key, src):   # (listing keys encode their input; file keys do not)
-            src = os.fsdecode(decode_name(src)) if not is_url(src) else src
-        if _respelled(key, src) in planned:
+        listing = _is_listing(key, src)
+        if listing and not is_url(src):   # (listing keys encode their input; file keys
+            src = os.fsdecode(decode_name(src))   # do not)
+        if _respelled(key, src, listing) in planned:
             gone.append(key)   # the same shard
-        elif _is_listing(key, src):
+        elif listing:
             held = (output.row_ids(Shard(key, "files", src).sid)
                     if _may_share(src, specs) else None)
             if held and held <= ids:
@@ -175,12 +176,11 @@ def _is_listing(key: str, src: str) -> bool:
     return key != src and not key[len(src):].startswith("#rg=")
 
 
-def _respelled(key: str, src: str) -> str:
+def _respelled(key: str, src: str, listing: bool) -> str:
     """`key` (its input `src`, decoded) with its input spelled as this version spells
-    it."""
-    listing = key[len(key_source(key)):]
-    return (encode_name(key_input(src)) if listing and not listing.startswith("#rg=")
-            else key_input(src)) + listing
+    it (a listing key encodes it)."""
+    spelled = key_input(src)
+    return (encode_name(spelled) if listing else spelled) + key[len(key_source(key)):]
 
 
 def _may_share(src: str, specs: list[str]) -> bool:
@@ -195,9 +195,8 @@ def _may_share(src: str, specs: list[str]) -> bool:
         for spec in expand_braces(spec0):
             base = _stem(key_input(spec))
             if os.path.splitext(base)[1].lower() in lists or base in (".", "") or \
-                    path in (".", "") or base == path or \
-                    base.startswith(path.rstrip("/") + "/") or \
-                    path.startswith(base.rstrip("/") + "/"):
+                    path in (".", "") or base == path or _below(base, path) or \
+                    _below(path, base):
                 return True
     return False
 
