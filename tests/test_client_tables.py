@@ -109,9 +109,32 @@ def test_batch_layers_take_the_tables_reductions_and_the_input_port():
     assert [(la.name, la.reduction) for la in layers] == [
         ("layer4", "avg"), ("fc", "max"), ("layer3:input", "stats"),
         ("layer2:input", "max")]
-    with pytest.raises(Abort, match="reduction must be one of none, avg, max, flatten, "
-                                    "stats"):
+    with pytest.raises(Abort, match="--layers layer4:mean: a reduction after ':' is one of "
+                                    "none, avg, max, flatten, stats"):
         parse_layers(["layer4:mean"], "none")
+    with pytest.raises(Abort, match="--layers gives layer4 twice"):
+        parse_layers(["layer4:avg", "layer4"], "none")
+
+
+@pytest.mark.parametrize("item", ["layer4:avg", "layer4", "layer3:input", "layer3:input:stats",
+                                  "layer4:mean", "features.0:input:bogus"])
+def test_extract_and_batch_read_a_layers_item_alike(item):
+    """`hookserve extract` and `hookserve batch` take one --layers syntax: the same
+    layer and reduction, or the same refusal."""
+    from hookserve.batch.errors import Abort
+    from hookserve.batch.spec import parse_layers
+    from hookserve.cli import _layer_options
+
+    try:
+        opts = _layer_options([item])
+    except ValueError as exc:
+        with pytest.raises(Abort) as refused:
+            parse_layers([item], "none")
+        assert str(refused.value) == str(exc)
+        return
+    [(name, o)] = opts.items()
+    [layer] = parse_layers([item], "flatten")
+    assert (layer.name, layer.reduction) == (name, (o or {}).get("reduction", "flatten"))
 
 
 def test_batch_flag_defaults_are_declared_once():

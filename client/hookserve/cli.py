@@ -17,7 +17,7 @@ from .cli_args import (
     unique_names,
     weights_text,
 )
-from .tables import DTYPES, REDUCTIONS
+from .tables import DTYPES, REDUCTIONS, split_reduction
 
 #: What `describe` prints for a model without a classifier head (num_classes 0).
 NO_HEAD = ("no classifier head: features only (Attribute and class names need a model "
@@ -134,17 +134,10 @@ def _layer_options(names: list[str]) -> dict[str, dict | None]:
     layers take --reduction."""
     out: dict[str, dict | None] = {}
     for item in names:
-        name, sep, red = item.rpartition(":")
-        if not sep or red == "input":
-            name, opts = item, None
-        elif red in REDUCTIONS:
-            opts = {"reduction": red}
-        else:
-            raise ValueError(f"--layers {item}: a reduction after ':' is one of "
-                             f"{', '.join(REDUCTIONS)} (or ':input' for a module's input)")
+        name, red = split_reduction(item)
         if name in out:
             raise ValueError(f"--layers gives {name} twice")
-        out[name] = opts
+        out[name] = {"reduction": red} if red else None
     return out
 
 

@@ -151,3 +151,17 @@ def split_port(name: str) -> tuple[str, bool]:
     if sep and port == INPUT_PORT:
         return base, True
     return name, False
+
+
+def split_reduction(item: str) -> tuple[str, str | None]:
+    """One ``--layers`` item -> (layer name, its reduction or None when it names none):
+    ``"layer4:avg"`` -> ``("layer4", "avg")``, ``"layer3:input"`` -> ``("layer3:input",
+    None)``, ``"layer3:input:stats"`` -> ``("layer3:input", "stats")``. A ValueError
+    names the reductions when the part after the last ':' is none of them."""
+    name, sep, red = item.rpartition(":")
+    if not sep or split_port(item)[1]:
+        return item, None
+    if red not in REDUCTIONS:
+        raise ValueError(f"--layers {item}: a reduction after ':' is one of "
+                         f"{', '.join(REDUCTIONS)} (or ':{INPUT_PORT}' for a module's input)")
+    return name, red

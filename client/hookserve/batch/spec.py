@@ -9,7 +9,7 @@ import time
 
 from .. import errors
 from ..cli_args import make_client
-from ..tables import REDUCTIONS, follows_size, reduced_shape, split_port
+from ..tables import REDUCTIONS, follows_size, reduced_shape, split_port, split_reduction
 from ..types import Layer, parse_size
 from .errors import Abort
 from .limits import Cap, file_cap
@@ -32,15 +32,15 @@ def parse_layers(specs: list[str], default_reduction: str, dtype: str = "float32
             part = part.strip()
             if not part:
                 continue
-            name, sep, red = part.rpartition(":")
-            if not sep or split_port(part)[1]:  # no reduction given
-                name, red = part, ""
+            try:
+                name, red = split_reduction(part)
+            except ValueError as exc:
+                raise Abort(str(exc)) from None
             red = red or default_reduction
             if red not in REDUCTIONS:
-                raise Abort(f"layer {name}: reduction must be one of {', '.join(REDUCTIONS)}, "
-                             f"got {red!r}")
+                raise Abort(f"--reduction {red}: one of {', '.join(REDUCTIONS)}")
             if name in seen:
-                raise Abort(f"layer {name} is given twice")
+                raise Abort(f"--layers gives {name} twice")
             seen.add(name)
             out.append((name, red))
     if not out:
