@@ -193,6 +193,25 @@ def test_a_name_like_another_inputs_temporary_file_loses_nothing(server, tmp_pat
                                                                       "y.png.npy"]
 
 
+def test_a_killed_runs_temporary_files_are_removed_by_the_next_run(server, tmp_path):
+    """A .npy folder output keeps its temporary files in `.tmp/`: a run leaves none,
+    and a run that was killed mid-write leaves them for the next run to remove."""
+    root = tmp_path / "in"
+    root.mkdir()
+    (root / "a.png").write_bytes(_png(23))
+    out = tmp_path / "out"
+    assert _run(server, str(root), "--out", str(out)).returncode == 0
+    assert not (out / ".tmp").exists()
+    (out / ".tmp").mkdir()
+    (out / ".tmp" / "4242-0").write_bytes(b"half an array")   # as a kill -9 leaves it
+    (root / "b.png").write_bytes(_png(24))
+    p = _run(server, str(root), "--out", str(out))
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    assert not (out / ".tmp").exists()
+    assert sorted(os.listdir(out / "fc" / str(root).lstrip("/"))) == ["a.png.npy",
+                                                                      "b.png.npy"]
+
+
 def test_a_changed_file_with_an_odd_name_is_reported_under_its_id(tmp_path):
     raw = os.path.join(os.fsencode(tmp_path), BAD_UTF8)
     with open(raw, "wb") as fh:

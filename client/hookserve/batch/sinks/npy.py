@@ -1,12 +1,15 @@
-"""The folder output: ``<layer>/<path>.npy`` per image and layer (each written by
-rename), then one line in ``index.jsonl``; an image counts as written only once its
-line is there. Feature shapes may differ from image to image."""
+"""The folder output: ``<layer>/<path>.npy`` per image and layer (each written in
+``.tmp/``, which the next run empties, then renamed into place), then one line in
+``index.jsonl``; an image counts as written only once its line is there. Feature
+shapes may differ from image to image."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -14,6 +17,9 @@ from .base import OutputError, Record, ShapeMismatch, Sink
 from .durable import Lock, lock_and_check, write_json_atomic
 
 _TMP = itertools.count()  # this process's temporary names
+#: The folder of temporary files inside the output (no layer is named so: layer names
+#: never start with a dot).
+TMP_DIR = ".tmp"
 
 
 class NpySink(Sink):
@@ -27,6 +33,8 @@ class NpySink(Sink):
         self.index = None
         self.lock: Lock | None = None
         self.names: dict[str, str] = {}
+        #: the temporary files of the image being written (emptied when a run opens)
+        self.tmp_dir = os.path.join(out, TMP_DIR)
 
     def open(self) -> None:
         if os.path.isfile(self.out):
@@ -38,6 +46,9 @@ class NpySink(Sink):
         os.makedirs(self.out, exist_ok=True)
         self.lock, meta_path = lock_and_check(self.out, "hookserve.json", self.meta)
         write_json_atomic(meta_path, self.meta)
+        # Files a killed run was writing: only a run holding the lock writes here.
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        os.makedirs(self.tmp_dir, exist_ok=True)
         if os.path.exists(self.index_path):
             with open(self.index_path, "rb+") as fh:
                 data = fh.read()
@@ -65,10 +76,9 @@ class NpySink(Sink):
             rel = f"{layer}/{name}.npy"
             final = os.path.join(self.out, rel)
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            # Every final name ends in .npy and no temporary name does: an input named
-            # like another's temporary file cannot be overwritten by it (and the name
-            # is short: no final name's length limit is met first here).
-            tmp = os.path.join(os.path.dirname(final), f".tmp-{os.getpid()}-{next(_TMP)}")
+            # Written in the one folder of temporary files (no final name is in it,
+            # and the next run empties it), then renamed into place.
+            tmp = os.path.join(self.tmp_dir, f"{os.getpid()}-{next(_TMP)}")
             with open(tmp, "wb") as fh:
                 np.save(fh, arr, allow_pickle=False)
             os.replace(tmp, final)
@@ -85,7 +95,9 @@ class NpySink(Sink):
             self.index.flush()
             os.fsync(self.index.fileno())
             self.index.close()
-        if self.lock is not None:
+        if self.lock is not None:   # (only the run holding the lock touches .tmp/)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.tmp_dir)
             self.lock.release()
 
 
