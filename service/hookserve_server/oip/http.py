@@ -10,7 +10,8 @@ repository, shared memory, trace and log settings) answer 501; any other path 40
 and a route asked with the wrong method 405, each with an {"error"} body.
 
 The same bearer token as gRPC guards every route but the two health routes; a body
-over --max-message-bytes is refused. An infer whose client disconnects is cancelled:
+over --max-message-bytes is refused (a gzip or deflate body also once it expands over
+it). An infer whose client disconnects is cancelled:
 its images not yet at the model are dropped. Domain errors become HTTP statuses here (the
 REST side of status.py's mapping), with a body {"error": message}.
 """
@@ -22,9 +23,10 @@ import contextlib
 import hmac
 import socket
 import threading
+import zlib
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, HookserveError, ResourceExhausted
+from ..errors import ConfigError, HookserveError, InvalidArgument, ResourceExhausted
 from ..status import as_domain, short_message
 from . import metadata as md
 from .infer import VERSION, CallCancel
@@ -254,6 +256,8 @@ class OipHttp:
         declared = request.headers.get("content-length", "")
         held = min(int(declared), self.max_body_bytes + 1) if declared.isdigit() \
             else self.max_body_bytes
+        if _encoding(request):   # and the body it expands to
+            held += self.max_body_bytes
         if not self._hold(held):
             return self._error(ResourceExhausted(
                 f"this server holds {BODIES} request bodies' worth of bytes now (each up to "
@@ -318,4 +322,32 @@ class OipHttp:
             body += chunk
             if len(body) > limit:
                 raise too_big
-        return bytes(body)
+        encoding = _encoding(request)
+        return inflate(bytes(body), encoding, limit) if encoding else bytes(body)
+
+
+def _encoding(request) -> str:
+    """The body's Content-Encoding, lower case; "" for none (or identity)."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    return "" if encoding == "identity" else encoding
+
+
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip or deflate (zlib) body as sent before compression (tritonclient's
+    request_compression_algorithm), held to `limit` bytes as it expands."""
+    if encoding not in ("gzip", "deflate"):
+        raise InvalidArgument(f"Content-Encoding {encoding[:40]} is not one this server "
+                              "reads: send the body as it is, or gzip or deflate")
+    inflater = zlib.decompressobj(47)   # a zlib or gzip header, read from the data
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidArgument(f"the body is not the {encoding} data its Content-Encoding "
+                              f"says ({exc})") from None
+    if len(out) > limit:
+        raise ResourceExhausted(
+            f"the request body expands to over {limit} bytes, this server's limit "
+            "(--max-message-bytes): send fewer or smaller images per request")
+    if not inflater.eof:
+        raise InvalidArgument(f"the {encoding} body is cut short: send all of it")
+    return out

@@ -101,19 +101,22 @@ class Inference:
         self.counts = Counts()
 
     def model_names(self, name: str) -> tuple[str, str]:
-        """A model name as (served model, attribution method or ""): a served model's
-        own name (``timm:resnet50.a1_in1k`` holds a dot), else ``<model>.<method>``."""
+        """A model name as (served model, attribution method's label or ""): a served
+        model's own name (``timm:resnet50.a1_in1k`` holds a dot), else
+        ``<model>.<method>`` (the method in any case: ``GRAD_CAM`` is ``grad_cam``)."""
         if name in self.engine.models:
             return name, ""
-        base, dot, method = name.rpartition(".") if "." in name else (name, "", "")
-        if not base:
+        base, dot, method = name.rpartition(".")
+        if not dot or base not in self.engine.models:
             raise ModelNotFound(f"unknown model {name[:100]!r}: name one of "
-                                f"{', '.join(self.engine.models)} (or <model>.<method> "
-                                "for an attribution)")
-        self.engine.get_model(base)
-        if dot:
-            check_method(name, method)
-        return base, method
+                                f"{', '.join(self.engine.models)}"[:400] + " (or "
+                                "<model>.<method> for an attribution)")
+        return base, check_method(name, method).label
+
+    def served_name(self, name: str) -> str:
+        """The one spelling of a model name: what its statistics are kept under."""
+        base, method = self.model_names(name)
+        return f"{base}.{method}" if method else base
 
     def check_version(self, version: str) -> None:
         if version not in ("", VERSION):
@@ -132,14 +135,16 @@ class Inference:
             deadline = own if deadline is None else min(deadline, own)
         stats = call_stats()
         t0 = time.perf_counter_ns()
-        ok = known = False
+        ok, served = False, ""
         try:
             with self.servicer.calls.observed(method, context, stats), \
                     (self.servicer.streams.work_slot(method) if slot
                      else contextlib.nullcontext()):
                 self.check_version(call.version)
                 base, attribution = self.model_names(call.model)
-                known = True  # counted from here: names from the network are not kept
+                # counted from here, under the name's one spelling: names from the
+                # network are not kept
+                served = f"{base}.{attribution}" if attribution else base
                 stats["model"] = self.servicer.calls.model_label(base)
                 if attribution:
                     answer = attribute(self, call, base, attribution, stats, on_cancel,
@@ -149,8 +154,8 @@ class Inference:
                 ok = True
                 return answer
         finally:
-            if known:
-                self.counts.record(call.model, stats["images"], ok,
+            if served:
+                self.counts.record(served, stats["images"], ok,
                                    time.perf_counter_ns() - t0)
 
     def check_fits(self, spec, tensor: rq.InTensor) -> None:

@@ -15,7 +15,7 @@ from ..attribution_spec import Method
 from .attribution import OUTPUTS as ATTRIBUTION_OUTPUTS
 from .attribution import TARGET, map_rank
 from .infer import VERSION
-from .request import IMAGE, PIXELS
+from .request import DEFAULT_DTYPE, IMAGE, PIXELS
 from .tensors import DATATYPES
 
 if TYPE_CHECKING:
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 EXTENSIONS = ("classification", "binary_tensor_data", "model_configuration",
               "statistics")
 PLATFORM = "hookserve_pytorch"
+#: What an output answers when its request names no dtype.
+DEFAULT_DATATYPE = DATATYPES[DEFAULT_DTYPE]
 INPUTS = [{"name": IMAGE, "datatype": "BYTES", "shape": [-1]},
           {"name": PIXELS, "datatype": "UINT8", "shape": [-1, -1, -1, 3]}]
 
@@ -48,8 +50,11 @@ def model_names(engine: Engine) -> list[str]:
 
 
 def model_metadata(engine: Engine, name: str) -> dict:
-    """A model's inputs and outputs (`name` as `Inference.model_names` parsed it)."""
-    base, _, method = name.partition(".")
+    """A model's inputs and outputs (`name` as `Inference.served_name` spells it: a
+    served model, or ``<model>.<method>``). Each output's datatype is the one a request
+    gets by default (FP32: the `dtype` output parameter's default), whatever the
+    model computes in."""
+    base, method = (name, "") if name in engine.models else name.rpartition(".")[::2]
     m = engine.get_model(base)
     if method:
         per_map = [-1, -1] if map_rank(Method[method.upper()]) == 2 else [3, -1, -1]
@@ -60,8 +65,8 @@ def model_metadata(engine: Engine, name: str) -> dict:
         inputs = [*INPUTS, {"name": TARGET, "datatype": "INT64", "shape": [-1]}]
     else:
         table = m.layer_table(*m.defaults.crop)
-        outputs = [{"name": li.name, "datatype": DATATYPES[li.dtype],
-                    "shape": [-1, *li.shape]} for li in table.values()]
+        outputs = [{"name": li.name, "datatype": DEFAULT_DATATYPE, "shape": [-1, *li.shape]}
+                   for li in table.values()]
         inputs = list(INPUTS)
     return {"name": name, "versions": [VERSION], "platform": PLATFORM,
             "inputs": inputs, "outputs": outputs}

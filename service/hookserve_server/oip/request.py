@@ -24,6 +24,8 @@ OUTPUT_PARAMETERS = ("reduction", "dtype", "l2_normalize", "classification", "bi
 #: extension): they are not hookserve's and are left alone.
 RESERVED = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
             "binary_data_output", "headers")
+#: An output's dtype when its request names none.
+DEFAULT_DTYPE = DType.FLOAT32
 #: Request parameters that set the preprocessing geometry.
 GEOMETRY_PARAMETERS = ("mode", "resize", "crop_height", "crop_width")
 
@@ -76,6 +78,24 @@ def own_params(params: dict) -> dict:
             if k not in RESERVED and not k.startswith("triton_")}
 
 
+def no_shared_memory(params: dict, what: str) -> None:
+    """Refuse a tensor placed in shared memory (the protocol's shared-memory extension,
+    which this server does not offer)."""
+    region = min((k for k in params if k.startswith("shared_memory_")),
+                 key=lambda k: (k != "shared_memory_region", k), default=None)
+    if region is not None:
+        raise InvalidArgument(f"{what}: {region}: hookserve has no shared memory; send "
+                              "the tensor in the request (and read outputs from the answer)")
+
+
+def distinct_inputs(inputs: list[InTensor]) -> None:
+    """Refuse an input name given twice (the second would be ignored)."""
+    names = [t.name for t in inputs]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise InvalidArgument(f"input {twice[:100]!r} is given twice: send it once")
+
+
 @dataclass(frozen=True)
 class OutPlan:
     """How one requested output is answered: the captured layer, and top k or all."""
@@ -121,7 +141,7 @@ def output_plans(outputs: list[OutRequest], logits: str) -> list[OutPlan]:
         layer = LayerSpec(
             out.name,
             _choice(Reduction, p.get("reduction", "none"), f"{what}: reduction"),
-            _choice(DType, p.get("dtype", "float32"), f"{what}: dtype"),
+            _choice(DType, p.get("dtype", DEFAULT_DTYPE.label), f"{what}: dtype"),
             _bool(p.get("l2_normalize", False), f"{what}: l2_normalize"))
         k = as_int(p.get("classification", 0), f"{what}: classification")
         if k < 0:

@@ -21,7 +21,15 @@ import numpy as np
 
 from ..errors import InvalidArgument, ResourceExhausted
 from .infer import VERSION
-from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
+from .request import (
+    InferCall,
+    InTensor,
+    OutRequest,
+    distinct_inputs,
+    no_shared_memory,
+    own_params,
+    timeout_of,
+)
 from .tensors import InferAnswer, unpack_bytes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -151,6 +159,7 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
                                   "(encoded images), UINT8 for INPUT__0 (pixels)")
         shape = _shape(t.get("shape"), name)
         params = _object(t.get("parameters"), f"input {name!r}: \"parameters\"")
+        no_shared_memory(params, f"input {name!r}")
         size = params.get("binary_data_size")
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -166,6 +175,7 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
         else:
             data = _json_data(t.get("data"), datatype, name)
         inputs.append(InTensor(str(t["name"]), datatype, shape, data))
+    distinct_inputs(inputs)
     if pos != len(blobs):
         raise InvalidArgument(f"the body has {len(blobs) - pos} bytes after the JSON part "
                               "that no input's binary_data_size accounts for")
@@ -176,6 +186,7 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
         o = _object(o, f"outputs[{i}]", required=True)
         name = _text(o.get("name"), f"outputs[{i}]: \"name\"")
         oparams = _object(o.get("parameters"), f"output {name[:100]!r}: \"parameters\"")
+        no_shared_memory(oparams, f"output {name[:100]!r}")
         _flag(oparams, "binary_data", f"output {name[:100]!r}:")
         outputs.append(OutRequest(name, dict(oparams)))
     call_id = header.get("id", "")

@@ -18,13 +18,27 @@ from typing import TYPE_CHECKING
 import grpc
 
 from .. import wire
-from ..errors import HookserveError, InternalError, InvalidArgument, ModelNotFound
+from ..errors import (
+    HookserveError,
+    InternalError,
+    InvalidArgument,
+    ModelNotFound,
+    Unavailable,
+)
 from ..status import mapped, short_message
 from . import grpc_service_pb2 as pb
 from . import metadata as md
 from . import model_config_pb2 as mc
 from .infer import VERSION, CallCancel, Inference
-from .request import InferCall, InTensor, OutRequest, own_params, timeout_of
+from .request import (
+    InferCall,
+    InTensor,
+    OutRequest,
+    distinct_inputs,
+    no_shared_memory,
+    own_params,
+    timeout_of,
+)
 from .tensors import InferAnswer
 
 log = logging.getLogger("hookserve.oip")
@@ -62,12 +76,21 @@ def _typed(t) -> list:
 
 def to_call(req: pb.ModelInferRequest) -> InferCall:
     raw = req.raw_input_contents
+    for t in req.inputs:
+        no_shared_memory(params_of(t.parameters), f"input {t.name[:100]!r}")
     if raw and len(raw) != len(req.inputs):
         raise InvalidArgument(f"{len(raw)} raw_input_contents for {len(req.inputs)} inputs: "
                               "send one per input, or typed contents for all")
+    both = next((t.name for t in req.inputs if raw and t.contents.ByteSize()), None)
+    if both is not None:
+        raise InvalidArgument(f"input {both[:100]!r} has typed contents beside "
+                              "raw_input_contents: send every input one way")
     inputs = [InTensor(t.name, t.datatype, tuple(t.shape), raw[i] if raw else _typed(t))
               for i, t in enumerate(req.inputs)]
+    distinct_inputs(inputs)
     outputs = [OutRequest(o.name, params_of(o.parameters)) for o in req.outputs]
+    for o in outputs:
+        no_shared_memory(o.params, f"output {o.name[:100]!r}")
     params = params_of(req.parameters)
     return InferCall(req.model_name, req.model_version, req.id, inputs, outputs,
                      own_params(params), timeout_of(params))
@@ -113,9 +136,9 @@ class OipServicer:
         return wire.parse(cls, request)
 
     def _model(self, name: str, version: str = "") -> str:
+        """A requested model as its one spelling (NOT_FOUND for no served model)."""
         self.inference.check_version(version)
-        self.inference.model_names(name)
-        return name
+        return self.inference.served_name(name)
 
     @mapped
     def ServerLive(self, request, context):
@@ -191,17 +214,19 @@ class OipServicer:
     @mapped
     def ModelStreamInfer(self, request_iterator, context) -> Iterator:
         """Each request answered in turn; a failed request's answer is its
-        error_message and the stream goes on."""
+        error_message and the stream goes on. Once the server drains, the request
+        running is answered and each later one is refused (UNAVAILABLE, with its id)
+        until the client closes its side or the grace period ends."""
         cancel = CallCancel()
         context.add_callback(cancel)
         with self.servicer.streams.work_slot("ModelStreamInfer"):
             for n, raw in enumerate(_requests(request_iterator)):
-                if self.engine.draining:
-                    yield _DRAINING
-                    return
                 request = None
                 try:
                     request = wire.parse(pb.ModelInferRequest, raw, f"request message {n}")
+                    if self.engine.draining:
+                        raise Unavailable("server is shutting down: send this request and "
+                                          "the rest to another replica")
                     answer = self.inference.infer(to_call(request), "ModelStreamInfer",
                                                   context, cancel.set, _deadline(context),
                                                   slot=False)
@@ -219,13 +244,6 @@ class OipServicer:
                             id=request.id[:200], model_name=request.model_name[:200],
                             model_version=request.model_version[:20])
                         if request is not None else None)
-                if self.engine.draining:  # answered what was in flight: end here
-                    yield _DRAINING
-                    return
-
-
-_DRAINING = pb.ModelStreamInferResponse(
-    error_message="[UNAVAILABLE] server is shutting down: send the rest to another replica")
 
 
 def _requests(request_iterator):
