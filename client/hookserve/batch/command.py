@@ -5,6 +5,7 @@ the local run (:mod:`.local_run`: local files, one output) or the sharded run
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import EXIT_CANNOT_PROCEED, Abort
@@ -34,7 +35,8 @@ def wants_shards(args: argparse.Namespace) -> bool:
         return True
     if is_url(args.out):
         return True
-    return any(is_url(s) or any(is_tar(x) or _lists_urls(x, args) for x in expand_braces(s))
+    return any(is_url(s) or any((is_tar(x) and not os.path.isdir(x)) or _lists_urls(x, args)
+                                for x in expand_braces(s))
                for s in args.inputs)
 
 

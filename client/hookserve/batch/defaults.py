@@ -23,4 +23,4 @@ DEFAULTS = {
     "timeout": CALL_TIMEOUT, "ca": None, "cert": None, "key": None, "token_file": None,
 }
 #: Flags only a local run reads: :func:`~.one_shard.run_shard` does not take them.
-LOCAL_ONLY = frozenset({"root", "checkpoint", "checkpoint_secs", "consolidate", "errors"})
+LOCAL_ONLY = frozenset({"checkpoint", "checkpoint_secs", "consolidate", "errors"})

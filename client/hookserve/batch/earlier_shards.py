@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .inputs import LIST_EXTS, TABLE_EXTS, decode_name, encode_name
-from .readers import is_tar
+from .readers import names_a_tar
 from .remote import expand_braces, filesystem, is_url
 from .shard_output import ShardOutput
 from .shard_plan import PlanReport, Shard, key_input, key_source
@@ -223,7 +223,7 @@ def _would_list(src: str, specs: list[str], report: PlanReport) -> bool:
             if "*" in spec or "?" in spec or "[" in spec:
                 if "**" not in base and _glob_match(path, base):
                     return True
-            elif is_tar(spec) or not (is_url(spec) or os.path.isdir(spec)):
+            elif names_a_tar(spec) or not (is_url(spec) or os.path.isdir(spec)):
                 continue
             elif _below(path, base):
                 return True

@@ -71,18 +71,23 @@ def list_file(path: str) -> Iterator[str]:
 
 
 def listed_paths(spec: str, path_column: str = "path",
-                 image_column: str | None = None) -> list[str] | None:
+                 image_column: str | None = None, root: str | None = None
+                 ) -> list[str] | None:
     """The paths or URLs a local list (.txt/.lst) or path table (.csv/.tsv/.parquet,
     its `path_column`) names; None when `spec` is neither (a Parquet file is a table
-    of images, not of paths, when `image_column` is given)."""
+    of images, not of paths, when `image_column` is given). A relative path is joined
+    to `root` when given, and every path is normalised (``./a/../b.png`` is
+    ``b.png``), so a file has one id however a list spells it; URLs are kept as given."""
     ext = os.path.splitext(spec)[1].lower()
     if not os.path.isfile(spec) or (image_column and ext == ".parquet"):
         return None
     if ext in LIST_EXTS:
-        return list(list_file(spec))
-    if ext in TABLE_EXTS:
-        return _table(spec, path_column)
-    return None
+        names: Iterable[str] = list_file(spec)
+    elif ext in TABLE_EXTS:
+        names = _table(spec, path_column)
+    else:
+        return None
+    return [p if is_url(p) else os.path.normpath(os.path.join(root or "", p)) for p in names]
 
 
 def _table(path: str, column: str) -> list[str]:
@@ -128,18 +133,8 @@ def discover(specs: Iterable[str], *, path_column: str = "path",
             found.update(os.path.normpath(p) for p in _walk(spec))
             continue
         if os.path.isfile(spec):
-            ext = os.path.splitext(spec)[1].lower()
-            if ext in LIST_EXTS:
-                listed = list_file(spec)
-            elif ext in TABLE_EXTS:
-                listed = _table(spec, path_column)
-            else:
-                found.add(os.path.normpath(spec))
-                continue
-            for p in listed:
-                if root and not os.path.isabs(p):
-                    p = os.path.join(root, p)
-                found.add(os.path.normpath(p))
+            listed = listed_paths(spec, path_column, root=root)
+            found.update([os.path.normpath(spec)] if listed is None else listed)
             continue
         if glob.has_magic(spec):
             # not only regular files: a FIFO or socket matched gets its own error row

@@ -91,7 +91,7 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
         if not isinstance(shard, Shard):
             shard = shard_from_key(shard, opts, image_column=args.image_column,
                                    listing_shards=args.listing_shards,
-                                   path_column=args.path_column)
+                                   path_column=args.path_column, root=args.root)
         layer_objs = parse_layers(args.layers, args.reduction, args.dtype,
                                   args.l2_normalize)
     except Abort as exc:

@@ -17,6 +17,7 @@ shard gets no done marker.
 
 from __future__ import annotations
 
+import glob
 import http.client
 import lzma
 import os
@@ -50,6 +51,12 @@ class ShardError(Exception):
 
 def is_tar(name: str) -> bool:
     return name.lower().endswith(TAR_EXTS)
+
+
+def names_a_tar(spec: str) -> bool:
+    """Whether an input names one tar file: a tar's extension, no wildcard, and no
+    local folder (a folder named ``x.tar`` is listed as a folder)."""
+    return is_tar(spec) and not glob.has_magic(spec) and not os.path.isdir(spec)
 
 
 def data_loss(what: str) -> errors.HookserveError:

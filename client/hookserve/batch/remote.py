@@ -20,6 +20,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import posixpath
 import re
 import shutil
 import tempfile
@@ -38,6 +39,14 @@ _ALT = re.compile(r"\{([^{}]*,[^{}]*)\}")
 def is_url(spec: str) -> bool:
     """A URL with a scheme (``file://`` counts too); plain paths are not."""
     return bool(_URL.match(spec))
+
+
+def file_url_spelled(spec: str) -> str:
+    """A ``file://`` URL with its path normalised (it is the local file system, where
+    ``//``, ``/./`` and ``/../`` spell one folder); any other input as given."""
+    if not spec.startswith("file://") or not spec[7:]:
+        return spec
+    return "file://" + posixpath.normpath(spec[7:])
 
 
 def expand_braces(spec: str) -> list[str]:

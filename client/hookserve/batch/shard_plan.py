@@ -40,8 +40,8 @@ from .inputs import (
     name_digest,
     shard_of,
 )
-from .readers import ShardError, is_tar, open_seekable
-from .remote import expand_braces, filesystem, is_url, walk_files
+from .readers import ShardError, is_tar, names_a_tar, open_seekable
+from .remote import expand_braces, file_url_spelled, filesystem, is_url, walk_files
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def key_input(spec: str) -> str:
     """An input as shard keys name it: one spelling per input (``imgs``, ``imgs/`` and
     ``./imgs`` list the same files under the same ids, so they are one input)."""
     if is_url(spec):
-        scheme, _, rest = spec.partition("://")
+        scheme, _, rest = file_url_spelled(spec).partition("://")
         return f"{scheme}://{rest.rstrip('/')}" if rest.strip("/") else spec
     return os.path.normpath(spec)
 
@@ -168,23 +168,24 @@ def plan_shards(specs: list[str], *, image_column: str | None = None,
                 listing_shards: int = DEFAULTS["listing_shards"],
                 shard_bytes: int = DEFAULTS["shard_bytes"],
                 storage_options: dict | None = None, path_column: str = "path",
-                report: PlanReport | None = None) -> list[Shard]:
+                report: PlanReport | None = None, root: str | None = None) -> list[Shard]:
     """Every input shard the inputs name, sorted by key (see the module doc). A list
     (.txt/.lst) or path table (.csv/.tsv/.parquet, its `path_column`) names paths and
-    URLs, one shard per hash bucket of them."""
+    URLs, one shard per hash bucket of them; its relative paths are below `root` when
+    given (else the working directory), each spelled one way (`inputs.listed_paths`)."""
     if listing_shards < 1:
         raise ValueError(f"listing_shards must be at least 1, got {listing_shards}")
     opts = storage_options or {}
     shards: dict[str, Shard] = {}
     taken: set[str] = set()  # files already in a listing shard: each is listed once
     for spec0 in specs:
-        for spec in expand_braces(spec0):
-            if is_tar(spec) and not _glob.has_magic(spec):
+        for spec in expand_braces(file_url_spelled(spec0)):
+            if names_a_tar(spec):
                 tar = key_input(spec)
                 shards.setdefault(tar, Shard(tar, "tar", tar))  # named: no request
                 continue
             files: dict[str, int] = {}
-            names = listed_paths(spec, path_column, image_column)
+            names = listed_paths(spec, path_column, image_column, root)
             # a list names files, and a glob means every file it matches, images or not
             from_list = names is not None or _glob.has_magic(spec)
             if names is not None:
@@ -229,7 +230,7 @@ def vanished(specs: list[str], shards: list[Shard], listing_shards: int,
     gone = []
     for spec0 in specs:
         for spec in expand_braces(spec0):
-            if spec in keep or (is_tar(spec) and not _glob.has_magic(spec)):
+            if spec in keep or names_a_tar(spec):
                 continue
             for b in range(listing_shards):
                 key = f"{encode_name(key_input(spec))}#{b}/{listing_shards}"
@@ -241,8 +242,9 @@ def vanished(specs: list[str], shards: list[Shard], listing_shards: int,
 def shard_from_key(key: str, storage_options: dict | None = None, *,
                    image_column: str | None = None,
                    listing_shards: int = DEFAULTS["listing_shards"],
-                   path_column: str = "path") -> Shard:
-    """The shard a key names (what :func:`plan_shards` printed or stored)."""
+                   path_column: str = "path", root: str | None = None) -> Shard:
+    """The shard a key names (what :func:`plan_shards` printed or stored; `root` as
+    it was given to that)."""
     base, sep, rest = key.rpartition("#")
     if sep and rest.startswith("rg="):
         return Shard(key, "parquet", base, int(rest[3:]))
@@ -253,7 +255,8 @@ def shard_from_key(key: str, storage_options: dict | None = None, *,
     if sep and "/" in rest and rest.replace("/", "").isdigit():
         b, n = (int(x) for x in rest.split("/"))
         for s in plan_shards([base], image_column=image_column, listing_shards=n,
-                             storage_options=storage_options, path_column=path_column):
+                             storage_options=storage_options, path_column=path_column,
+                             root=root):
             if s.key == key:
                 return s
         return Shard(key, "files", base)  # an empty bucket

@@ -45,6 +45,7 @@ from .one_shard import extract_shard, open_output, output_meta, read_opts
 from .remote import (
     MissingExtra,
     expand_braces,
+    file_url_spelled,
     filesystem,
     is_http,
     is_url,
@@ -98,6 +99,7 @@ def run_sharded(args: argparse.Namespace) -> int:
     """`hookserve batch` over input shards (see the module doc); -> the exit code."""
     check_flags(args)
     set_store_timeout(args.timeout)
+    args.inputs = [file_url_spelled(s) for s in args.inputs]   # one spelling per input
     try:
         opts = parse_storage_options(args.storage_option)
         part = parse_shard(args.shard) if args.shard is not None else None
@@ -106,7 +108,7 @@ def run_sharded(args: argparse.Namespace) -> int:
         shards = plan_shards(args.inputs, image_column=args.image_column,
                              listing_shards=args.listing_shards, shard_bytes=args.shard_bytes,
                              storage_options=opts, path_column=args.path_column,
-                             report=report)
+                             report=report, root=args.root)
     except (ShardError, ValueError, OutputError, MissingExtra, InputError) as exc:
         raise Abort(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a listing the store refused
