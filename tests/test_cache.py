@@ -300,8 +300,8 @@ def test_waiters_start_over_when_the_computation_they_followed_was_cancelled(cac
     image = ImageInput("x", raw=bytes(12), height=2, width=2)
     leader_call = CallState()
     a, b = Future(), Future()
-    cache.submit(spec, image, leader_call, a, compute)
-    cache.submit(spec, image, CallState(), b, compute)
+    cache.submit(spec, image, leader_call, a, compute, (2, 2))
+    cache.submit(spec, image, CallState(), b, compute, (2, 2))
     assert started.acquire(timeout=5) and len(computing) == 1  # b waits on a's work
     leader_call.cancel()
     computing[0].set_exception(Cancelled("the call was cancelled"))
@@ -311,13 +311,13 @@ def test_waiters_start_over_when_the_computation_they_followed_was_cancelled(cac
     computing[1].set_result([value])
     assert b.result(timeout=5) == [value]
     c: Future = Future()
-    cache.submit(spec, image, CallState(), c, compute)
+    cache.submit(spec, image, CallState(), c, compute, (2, 2))
     assert c.result(timeout=5)[0].cached and len(computing) == 2
 
     other = ImageInput("y", raw=bytes(range(12)), height=2, width=2)
     d, e = Future(), Future()
-    cache.submit(spec, other, CallState(), d, compute)
-    cache.submit(spec, other, CallState(), e, compute)
+    cache.submit(spec, other, CallState(), d, compute, (2, 2))
+    cache.submit(spec, other, CallState(), e, compute, (2, 2))
     assert started.acquire(timeout=5) and len(computing) == 3
     computing[2].set_exception(InvalidArgument("the image is corrupt"))
     assert isinstance(d.exception(timeout=5), InvalidArgument)

@@ -24,6 +24,7 @@ from helpers import CACHE_BASE as BASE
 from helpers import Counting, one, sample, shared_server
 
 IG = dict(layer=None, method="integrated_gradients", target=3, steps=300)
+SIZE = (32, 32)  # the model input the direct submits below give (no shared tier reads it)
 
 
 def wait_until(cond, what: str, timeout: float = 60.0) -> None:
@@ -226,8 +227,10 @@ def test_a_waiter_after_close_gets_unavailable(cached_spec):
     computing: list[Future] = []
     image = ImageInput("x", raw=bytes(12), height=2, width=2)
     leader_call, a, b = CallState(), Future(), Future()
-    cache.submit(cached_spec, image, leader_call, a, lambda part, f: computing.append(f))
-    cache.submit(cached_spec, image, CallState(), b, lambda part, f: computing.append(f))
+    cache.submit(cached_spec, image, leader_call, a,
+                 lambda part, f: computing.append(f), SIZE)
+    cache.submit(cached_spec, image, CallState(), b,
+                 lambda part, f: computing.append(f), SIZE)
     assert len(computing) == 1
     cache.close()
     leader_call.cancel()
@@ -291,11 +294,12 @@ def test_a_wait_ends_with_its_calls_deadline_or_cancel_on_the_cache_itself(cache
     computing: list[Future] = []
     image = ImageInput("x", raw=bytes(12), height=2, width=2)
     lead, late, gone = Future(), Future(), Future()
-    cache.submit(cached_spec, image, CallState(), lead, lambda part, f: computing.append(f))
+    cache.submit(cached_spec, image, CallState(), lead,
+                 lambda part, f: computing.append(f), SIZE)
     cache.submit(cached_spec, image, CallState(time.monotonic() + 0.2), late,
-                 lambda part, f: computing.append(f))
+                 lambda part, f: computing.append(f), SIZE)
     call = CallState()
-    cache.submit(cached_spec, image, call, gone, lambda part, f: computing.append(f))
+    cache.submit(cached_spec, image, call, gone, lambda part, f: computing.append(f), SIZE)
     call.cancel()
     assert isinstance(gone.exception(timeout=0), Cancelled)  # at once
     assert isinstance(late.exception(timeout=30), DeadlineExceeded)
@@ -316,9 +320,10 @@ def test_an_image_out_of_restarts_gets_unavailable(cached_spec):
     computing: list[Future] = []
     image = ImageInput("x", raw=bytes(12), height=2, width=2)
     leader_call, a, b = CallState(), Future(), Future()
-    cache.submit(cached_spec, image, leader_call, a, lambda part, f: computing.append(f))
+    cache.submit(cached_spec, image, leader_call, a,
+                 lambda part, f: computing.append(f), SIZE)
     cache.submit(cached_spec, image, CallState(), b, lambda part, f: computing.append(f),
-                 restarts=MAX_RESTARTS)
+                 SIZE, restarts=MAX_RESTARTS)
     leader_call.cancel()
     computing[0].set_exception(Cancelled("the call was cancelled"))
     error = b.exception(timeout=5)

@@ -35,7 +35,7 @@ from .models import (
     resolve_device,
 )
 from .openmp import release_team
-from .preflight import Checked, is_loopback, metrics_host, preflight
+from .preflight import Checked, is_loopback, metrics_host, preflight, shown_url
 from .server import HookServer, ServerOptions, create_server
 
 log = logging.getLogger("hookserve")
@@ -161,6 +161,11 @@ def build_cache(args: argparse.Namespace, telemetry) -> AnswerCache | None:
         shared = SharedCache(args.cache_url, args.cache_ttl_seconds,
                              args.cache_max_value_bytes, args.cache_timeout_ms / 1000.0,
                              telemetry)
+        refused = shared.refusal()
+        if refused is not None:
+            shared.close()
+            raise ConfigError(f"--cache-url {shown_url(args.cache_url)!r}: Redis refuses "
+                              f"it: {refused}")
     return AnswerCache(LocalCache(args.cache_bytes, telemetry), shared, telemetry,
                        gpu_decode=args.gpu_decode)
 

@@ -282,8 +282,11 @@ class ServedModel:
         self.weights = weights
         #: Class names in index order (labels.py); () when the classes have none.
         self.labels = labels
-        #: sha256 of the class names, for the answer cache's key (cache/key.py)
-        self.labels_digest = hashlib.sha256("\n".join(labels).encode()).digest()
+        #: sha256 of the class names, each length-prefixed (a name may hold a newline),
+        #: for the answer cache's key (cache/key.py)
+        self.labels_digest = hashlib.sha256(b"".join(
+            len(b).to_bytes(8, "little") + b
+            for b in (x.encode("utf-8", "surrogatepass") for x in labels))).digest()
         self.device = device
         self.dtype = DType[dtype.upper()]
         self.torch_dtype = DTYPES[self.dtype]

@@ -13,6 +13,7 @@ import argparse
 import difflib
 import errno
 import ipaddress
+import math
 import re
 import socket
 import ssl
@@ -266,8 +267,12 @@ def check_cache(args: argparse.Namespace) -> None:
                           f"--max-buffer-bytes ({args.max_buffer_bytes // 2}): the cache's "
                           "answers come out of that budget")
     for name in ("cache_ttl_seconds", "cache_max_value_bytes", "cache_timeout_ms"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        v = getattr(args, name)
+        if not 0 < v < math.inf:   # (NaN too)
+            raise ConfigError(f"--{name.replace('_', '-')} {v} must be a positive number")
+    if args.cache_ttl_seconds > MAX_TTL_S:
+        raise ConfigError(f"--cache-ttl-seconds {args.cache_ttl_seconds} is over "
+                          f"{MAX_TTL_S} (100 years), more than Redis takes")
     if not args.cache_url:
         return
     from .cache.shared import write_queue_bytes
@@ -277,7 +282,8 @@ def check_cache(args: argparse.Namespace) -> None:
         raise ConfigError(f"--cache-url: --cache-bytes {args.cache_bytes} and the Redis "
                           f"write queue ({queue} bytes) must fit in half of "
                           f"--max-buffer-bytes ({args.max_buffer_bytes // 2}): raise "
-                          "--max-buffer-bytes or lower --cache-bytes")
+                          "--max-buffer-bytes, or lower --cache-bytes or "
+                          "--cache-max-value-bytes (the queue holds at least one value)")
     try:
         import redis  # noqa: F401
     except ImportError:
@@ -286,8 +292,16 @@ def check_cache(args: argparse.Namespace) -> None:
     check_cache_url(args.cache_url)
 
 
+#: The longest --cache-ttl-seconds (Redis refuses an expiry past a 64-bit count of ms).
+MAX_TTL_S = 100 * 365 * 24 * 3600
 #: URL options that would replace the timeouts and retries --cache-timeout-ms sets.
 _OWN_OPTIONS = ("timeout", "retry", "health_check", "keepalive")
+
+
+def shown_url(url: str) -> str:
+    """A Redis URL as messages show it: without its user and password."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.split("@")[-1]
 
 
 def check_cache_url(url: str) -> None:
@@ -297,7 +311,7 @@ def check_cache_url(url: str) -> None:
 
     from redis.connection import parse_url
 
-    shown = url.split("@")[-1]  # never echo a password
+    shown = shown_url(url)
     if url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
         raise ConfigError(f"--cache-url {shown!r}: use redis://HOST:PORT, "
                           "rediss://HOST:PORT (TLS) or unix://PATH")
@@ -311,7 +325,14 @@ def check_cache_url(url: str) -> None:
     if own:
         raise ConfigError(f"--cache-url {shown!r}: remove {', '.join(own)} from the URL; "
                           "--cache-timeout-ms sets the timeouts (and there are no retries)")
+    if parts.scheme == "unix" and not parts.path:
+        raise ConfigError(f"--cache-url {shown!r}: name the socket: unix:///path/redis.sock")
     if parts.scheme != "unix":
+        if not parts.hostname:
+            raise ConfigError(f"--cache-url {shown!r}: name the host: redis://HOST:PORT")
+        if parts.port == 0:
+            raise ConfigError(f"--cache-url {shown!r}: the port is 1 to 65535 (Redis's is "
+                              "6379)")
         if parts.path.strip("/") and not parts.path.strip("/").isdigit():
             raise ConfigError(f"--cache-url {shown!r}: the database after the port must "
                               "be a number (redis://HOST:PORT/0)")

@@ -132,6 +132,24 @@ class LayerOutput:
         return len(self.data)
 
 
+@dataclass(frozen=True)
+class UnitType:
+    """What one unit of an image's answer is, known before it is computed: what the
+    answer cache checks a value it reads back against (a value that differs in any of
+    these is another answer's, or damaged)."""
+
+    #: an Attribute answer (AttributionOutput, with `targets` of them), or a layer's
+    attribution: bool
+    #: the layer's name (an Attribute answer: the spec's layer, "" for the input)
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    columns: tuple[str, ...] = ()
+    #: an Attribute answer's targets (maps) and top classes
+    targets: int = 0
+    top: int = 0
+
+
 @dataclass
 class ImageResult:
     """The answer for one image: its layers' outputs, or an error."""

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import Cancelled, DeadlineExceeded, HookserveError, InternalError, Unavailable
-from ..spec import DType, ImageInput, LayerOutput
+from ..spec import ImageInput, LayerOutput
 from ..telemetry import Telemetry
 from . import key as keys
 from .local import HIT, LEAD, LocalCache
@@ -106,16 +106,14 @@ class AnswerCache:
                           self.gpu_decode)
         return spec.job.cache_keys(state, image)
 
-    @staticmethod
-    def expected(spec) -> list[tuple[str | None, DType]]:
-        """(name, dtype) of each unit's value, in the answer's order (None: any name)."""
-        return spec.job.unit_types()
 
     # -- the seam ------------------------------------------------------------------------
     def submit(self, spec, image: ImageInput, call, fut: Future, compute: Compute,
-               restarts: int = 0) -> None:
+               size: tuple[int, int], restarts: int = 0) -> None:
         """Answer `fut` from the cache where it can, computing only what is missing
-        (with `compute`, the engine's path). Raises HookserveError as `compute` does."""
+        (with `compute`, the engine's path). `size`: the image's model input HxW (what
+        a value read back is checked against, `Job.unit_types`). Raises HookserveError
+        as `compute` does."""
         unit_keys = self.unit_keys(spec, image)
         parts: list[LayerOutput | Future | None] = []
         lead: list[int] = []
@@ -134,7 +132,7 @@ class AnswerCache:
         self._count("local", "hit", hits)
         self._count("local", "coalesced", waits)
         if lead and self.shared is not None:
-            expect = self.expected(spec)
+            expect = spec.job.unit_types(*size)
             found = self.shared.get_many([unit_keys[i] for i in lead],
                                          [expect[i] for i in lead])
             for i in [i for i in lead if unit_keys[i] in found]:
@@ -145,7 +143,8 @@ class AnswerCache:
             self._count("shared", "hit", len(found))
         # a miss is counted once, by the last tier asked
         self._count("local" if self.shared is None else "shared", "miss", len(lead))
-        gather = _Gather(self, (spec, image, call, fut, compute), parts, set(lead), restarts)
+        gather = _Gather(self, (spec, image, call, fut, compute, size), parts, set(lead),
+                         restarts)
         if lead:
             self._compute(spec, call, unit_keys, lead, parts, compute)
         gather.start()
@@ -187,7 +186,7 @@ class _Gather:
     def __init__(self, cache: AnswerCache, args: tuple, parts: list, lead: set[int],
                  restarts: int) -> None:
         self.cache = cache
-        #: (spec, image, call, fut, compute), as AnswerCache.submit got them; None once
+        #: (spec, image, call, fut, compute, size), as AnswerCache.submit got them; None once
         #: the image's Future was set
         self.args: tuple | None = args
         self.parts = parts
@@ -261,7 +260,7 @@ class _Gather:
     def _failed(self, args: tuple, error: BaseException, own: bool) -> None:
         """A unit failed: its error is this image's if the image computed it, or if it
         is about the bytes themselves; else the image starts over."""
-        spec, image, call, fut, compute = args
+        spec, image, call, fut, compute, size = args
         about_bytes = isinstance(error, HookserveError) and error.code == "INVALID_ARGUMENT"
         if own or about_bytes or call.cancelled or call.expired():
             if not fut.done():
@@ -274,7 +273,7 @@ class _Gather:
 
         def again() -> None:
             try:
-                self.cache.submit(spec, image, call, fut, compute, self.restarts + 1)
+                self.cache.submit(spec, image, call, fut, compute, size, self.restarts + 1)
             except HookserveError as exc:
                 if not fut.done():
                     fut.set_exception(exc.detached())

@@ -15,8 +15,9 @@ image. When every lookup thread is still stuck on Redis, a lookup is skipped.
 Writes go through one background thread and a queue of encoded values bounded by bytes
 (WRITE_QUEUE_BYTES, counted in ``--max-buffer-bytes``); a write that does not fit is
 dropped and counted (``dropped``). Writes run with a socket timeout of at least a
-second. Values read back are checked (name, dtype, size) before use: one that does not
-match is a miss and an ``error``.
+second. Values read back are checked before use (every header field's type, then kind,
+name, dtype, shape, columns and size against the unit its key asks for,
+`Job.unit_types`): one that does not match is a miss and an ``error``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..attribution_spec import AttributionOutput, ClassScore, TargetResult
-from ..spec import DType, LayerOutput
+from ..spec import DType, LayerOutput, UnitType
 from ..telemetry import Telemetry
 from .key import FORMAT
 
@@ -61,15 +62,44 @@ def encode(value: LayerOutput) -> bytes:
 
 
 def decode(blob: bytes) -> LayerOutput:
+    """A value as encode wrote it; ValueError (or another exception) for anything else:
+    every header field is checked for its type here, its sizes by `valid`."""
     n = int.from_bytes(blob[:4], "little")
     head = json.loads(blob[4:4 + n])
-    fields = dict(name=head["name"], dtype=DType[head["dtype"]], shape=tuple(head["shape"]),
-                  data=memoryview(blob)[4 + n:], columns=tuple(head["columns"]))
-    if "targets" not in head:
+    fields = dict(name=_text(head["name"]), dtype=DType[head["dtype"]],
+                  shape=tuple(_count(d) for d in head["shape"]),
+                  data=memoryview(blob)[4 + n:],
+                  columns=tuple(_text(c) for c in head["columns"]))
+    if "targets" not in head and "top5" not in head:
         return LayerOutput(**fields)
     return AttributionOutput(
-        **fields, top5=tuple(ClassScore(*s) for s in head["top5"]),
-        targets=tuple(TargetResult(ClassScore(*t[:-3]), *t[-3:]) for t in head["targets"]))
+        **fields, top5=tuple(_class_score(s) for s in head["top5"]),
+        targets=tuple(TargetResult(_class_score(t[:-3]), *(_number(x, True) for x in t[-3:]))
+                      for t in head["targets"]))
+
+
+def _text(v) -> str:
+    if not isinstance(v, str):
+        raise ValueError("not a string")
+    return v
+
+
+def _count(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("not a size")
+    return v
+
+
+def _number(v, none: bool = False) -> float | None:
+    if (v is None and none) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        return v
+    raise ValueError("not a number")
+
+
+def _class_score(s: list) -> ClassScore:
+    index, logit, prob, label = s
+    return ClassScore(_count(index), _number(logit), _number(prob),
+                      label if label is None else _text(label))
 
 
 def write_queue_bytes(max_value_bytes: int) -> int:
@@ -77,13 +107,29 @@ def write_queue_bytes(max_value_bytes: int) -> int:
     return max(WRITE_QUEUE_BYTES, max_value_bytes)
 
 
-def valid(value: LayerOutput, name: str | None, dtype: DType, max_bytes: int) -> bool:
-    """Whether a value read back is one this key can hold: its name and dtype, and as
-    many bytes as its shape says, under the size cap."""
-    return ((name is None or value.name == name) and value.dtype == dtype
-            and all(isinstance(d, int) and d >= 0 for d in value.shape)
-            and len(value.data) == math.prod(value.shape) * ITEMSIZE[dtype]
+def valid(value: LayerOutput, unit: UnitType, max_bytes: int) -> bool:
+    """Whether a value read back is the answer its key asks for: of its kind (a layer's
+    features or an Attribute answer, with as many targets and top classes), name,
+    dtype, shape and columns, its bytes as many as the shape says, under the size cap."""
+    if isinstance(value, AttributionOutput) != unit.attribution:
+        return False
+    if unit.attribution and (len(value.targets) != unit.targets
+                             or len(value.top5) != unit.top):
+        return False
+    return (value.name == unit.name and value.dtype == unit.dtype
+            and value.shape == unit.shape and value.columns == unit.columns
+            and len(value.data) == math.prod(value.shape) * ITEMSIZE[value.dtype]
             and len(value.data) <= max_bytes)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether Redis answered with a refusal of the command (an error reply), not a
+    failure to reach it."""
+    try:
+        import redis
+    except ImportError:
+        return False
+    return isinstance(exc, redis.exceptions.ResponseError)
 
 
 def _score(s: ClassScore) -> list:
@@ -109,6 +155,7 @@ class SharedCache:
         #: writes delay no request: they may take longer
         self._redis_writes = connect(max(WRITE_TIMEOUT_S, timeout_s))
         self._down_until = 0.0
+        self._quiet_until = 0.0  # no failure is logged again before then
         #: lookups and writes that failed, were late, skipped or invalid (`error` events)
         self.errors = 0
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS,
@@ -124,17 +171,44 @@ class SharedCache:
         self._writer.start()
 
     def _failed(self, what: str, exc: BaseException | None, n: int) -> None:
+        """Count a failure; one of Redis's connection or time skips Redis a while, a
+        command Redis refused (a full Redis, an expiry it does not take) only that
+        command. Each kind is logged at most once in BACKOFF_S."""
         self.errors += n
         self.telemetry.cache_event("shared", "error", n)
-        if exc is not None:
-            if time.monotonic() >= self._down_until:
+        if exc is None:
+            return
+        refused = _refused(exc)
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self._quiet_until = now + BACKOFF_S
+            if refused:
+                log.warning("answer cache: Redis refused a %s (%s); that value is not "
+                            "stored, lookups go on (a Redis at its maxmemory needs an "
+                            "eviction policy such as allkeys-lru)", what, exc)
+            else:
                 log.warning("answer cache: Redis %s failed (%s); treated as misses, "
                             "retried in %.0fs", what, exc or "timed out", BACKOFF_S)
-            self._down_until = time.monotonic() + BACKOFF_S
+        if not refused:
+            self._down_until = now + BACKOFF_S
 
-    def get_many(self, keys: list[bytes], expect: list[tuple[str | None, DType]]
+    def refusal(self) -> str | None:
+        """Ask Redis once, at start-up: what it refuses for good (a database it does not
+        have, a wrong password), or None. Redis not answering now is no refusal: lookups
+        are misses until it does."""
+        import redis
+
+        try:
+            self._redis.ping()
+        except (redis.exceptions.ResponseError, redis.exceptions.AuthenticationError) as exc:
+            return str(exc) or type(exc).__name__
+        except Exception:  # noqa: BLE001 - down or slow: it may come up later
+            return None
+        return None
+
+    def get_many(self, keys: list[bytes], expect: list[UnitType]
                  ) -> dict[bytes, LayerOutput]:
-        """The values Redis holds for `keys` (each checked against its (name, dtype) in
+        """The values Redis holds for `keys` (each checked against what its unit is,
         `expect`); {} when it cannot answer within the timeout."""
         with self._lock:
             skip = time.monotonic() < self._down_until or self._busy >= LOOKUP_THREADS
@@ -158,12 +232,12 @@ class SharedCache:
             self._failed("lookup", exc, len(keys))
             return {}
         out = {}
-        for k, (name, dtype), blob in zip(keys, expect, blobs, strict=True):
+        for k, unit, blob in zip(keys, expect, blobs, strict=True):
             if blob is None:
                 continue
             try:
                 value = decode(blob)
-                ok = valid(value, name, dtype, self.max_value_bytes)
+                ok = valid(value, unit, self.max_value_bytes)
             except Exception:  # torn, or not ours
                 ok = False
             if ok:

@@ -33,7 +33,7 @@ from ..attribution_spec import (
     Score,
 )
 from ..cache import key as cache_key
-from ..capture.attribute import AttributionJob, ImageAttribution
+from ..capture.attribute import TOP, AttributionJob, ImageAttribution
 from ..capture.forward import stack_inputs
 from ..capture.table import entry, split_input_name
 from ..capture.tap import Tap
@@ -42,7 +42,7 @@ from ..labels import named
 from ..layouts import map_shape, to_grid
 from ..models import ServedModel
 from ..preprocess.geometry import fixed_input_size, validate_preprocess
-from ..spec import DType, ImageInput
+from ..spec import DType, ImageInput, UnitType
 from .attribute_memory import attribution_memory, pass_plan
 from .config import EngineConfig
 from .limits import Limits, size_text
@@ -99,8 +99,17 @@ class AttributeJob:
     def only(self, units: list[int]) -> AttributeJob:
         return self  # one unit: the image's answer
 
-    def unit_types(self) -> list[tuple[str | None, DType]]:
-        return [(None, DType.FLOAT32)]  # the map, named by the layer the request gave
+    def unit_types(self, h: int, w: int) -> list[UnitType]:
+        spec = self.spec
+        if spec.method.is_cam and not spec.upsample:
+            e = entry(self.model.layer_table(h, w), spec.layer)
+            per_map = tuple(map_shape(e.shape, e.layout))
+        else:
+            per_map = (h, w) if spec.method.is_cam else (3, h, w)
+        k = spec.targets_per_image
+        return [UnitType(True, spec.layer, DType.FLOAT32,
+                         per_map if spec.top_k <= 1 else (k, *per_map), targets=k,
+                         top=min(TOP, self.num_classes))]
 
     def run_batch(self, device: Device, items: list[WorkItem]) -> None:
         """Start the batch's run; its passes come in turn (`AttributeRun.step`)."""

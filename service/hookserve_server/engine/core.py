@@ -271,7 +271,8 @@ class Engine:
         With a cache, only what it does not hold is computed (cache/front.py)."""
         if self.cache is not None:
             self.cache.submit(spec, image, call, fut,
-                              lambda part, f: self._compute(part, image, plan, call, f))
+                              lambda part, f: self._compute(part, image, plan, call, f),
+                              plan.geometry.input)
             return
         self._compute(spec, image, plan, call, fut)
 

@@ -19,9 +19,10 @@ import torch
 from ..cache import key as cache_key
 from ..capture.forward import stack_inputs, to_host
 from ..capture.plan import CapturePlan
-from ..capture.reduce import DTYPE_OF_TORCH, REDUCTIONS
+from ..capture.reduce import DTYPE_OF_TORCH, REDUCTIONS, reduced_shape
+from ..capture.table import entry
 from ..models import ServedModel
-from ..spec import DType, ImageInput, LayerOutput, LayerSpec
+from ..spec import ImageInput, LayerOutput, LayerSpec, UnitType
 from .limits import Limits
 from .types import CallState, Device, WorkItem
 from .worker import batch_error, is_oom
@@ -56,8 +57,11 @@ class ExtractJob:
     def only(self, units: list[int]) -> ExtractJob:
         return ExtractJob(self.limits, self.model, tuple(self.layers[i] for i in units))
 
-    def unit_types(self) -> list[tuple[str | None, DType]]:
-        return [(layer.name, layer.dtype) for layer in self.layers]
+    def unit_types(self, h: int, w: int) -> list[UnitType]:
+        table = self.model.layer_table(h, w)
+        return [UnitType(False, layer.name, layer.dtype,
+                         reduced_shape(layer, entry(table, layer.name).shape),
+                         REDUCTIONS[layer.reduction].columns) for layer in self.layers]
 
     def run_batch(self, device: Device, items: list[WorkItem]) -> None:
         try:

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import HookserveError
 from ..models import ServedModel
-from ..spec import ImageInput, LayerSpec, Preprocess
+from ..spec import ImageInput, LayerSpec, Preprocess, UnitType
 from ..telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -59,9 +59,9 @@ class Job(Protocol):
     def only(self, units: list[int]) -> Job:
         """This job for some units of its answer (the cache computes what it misses)."""
 
-    def unit_types(self) -> list[tuple[str | None, Any]]:
-        """(name, DType) of each unit's value, in the answer's order (None: any name);
-        the cache checks what it reads back against them."""
+    def unit_types(self, h: int, w: int) -> list[UnitType]:
+        """What each unit's value is for an image at model input HxW, in the answer's
+        order; the cache checks what it reads back against them."""
 
 
 class Running(Protocol):
