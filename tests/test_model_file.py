@@ -114,7 +114,11 @@ def test_a_model_file_serves_three_models_with_their_own_digests(tmp_path):
     ('[[model]]\narchitecture = "resnet18"\nprecision = "fp64"\n',
      "model 1: precision 'fp64': use one of fp32, bf16, fp16"),
     ('[[model]]\narchitecture = "resnet18"\nweights = "random"\nprecision = "fp16"\n',
-     "fp16 for resnet18: fp16 runs on CUDA devices only"),
+     "model resnet18: precision = 'fp16': fp16 runs on CUDA devices only"),
+    ('[[model]]\narchitecture = "resnet18"\nweights = "random"\nprecision = "bf16"\n'
+     'dtype = "bfloat16"\n', "model resnet18: precision = 'bf16' needs dtype = 'float32'"),
+    ('[[model]]\nname = "x"\nweights = "random"\n', "model x: no architecture: add "
+     'architecture = "resnet50"'),
     ('[[model]]\narchitecture = "googlenet"\ntransform_input = "yes"\n',
      "transform_input 'yes': use true or false"),
     ('[[model]]\narchitecture = "resnet18"\nweights = "random"\ntransform_input = true\n',

@@ -178,10 +178,13 @@ def test_precision_per_model_parsing():
 @pytest.mark.parametrize("flags,words", [
     (["--precision", "fp16"], "fp16 runs on CUDA devices only"),
     (["--precision", "bf16", "--dtype", "bfloat16"], "needs --dtype float32"),
+    (["--precision", "resnet18=bf16", "--precision", "resnet18=fp32"],
+     "--precision gives resnet18 twice (bf16, fp32): give it once"),
 ])
 def test_start_up_refuses_what_cannot_run(flags, words):
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(ConfigError) as err:
         RunningServer(["--model", "resnet18", "--weights", "random", *flags], start=False)
+    assert words in str(err.value)
 
 
 @needs_bf16
@@ -195,3 +198,17 @@ def test_cache_keys_on_precision(make_server, images):
     m32 = make_server("--model", "resnet18", "--weights", "random",
                       "--cache-bytes", "8M").engine.models["resnet18"]
     assert model_part(m32) != model_part(m)
+
+
+@needs_bf16
+def test_the_cli_says_a_models_precision(make_server):
+    from helpers import hs
+
+    s = make_server("--model", "resnet18", "--model", "vgg11", "--weights", "random",
+                    "--precision", "resnet18=bf16", "--max-batch-delay-ms", "1")
+    models = hs("models", "--server", s.address)
+    assert models.returncode == 0, models.stderr
+    lines = models.stdout.splitlines()
+    assert "on cpu, float32, bf16 autocast," in lines[0] and "autocast" not in lines[1]
+    described = hs("describe", "resnet18", "--server", s.address)
+    assert "on cpu, float32, bf16 autocast; weights" in described.stdout

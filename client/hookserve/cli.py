@@ -12,6 +12,7 @@ from .cli_args import (
     add_connection_args,
     add_preprocessing_args,
     classes_text,
+    dtype_text,
     make_client,
     size_arg,
     unique_names,
@@ -32,7 +33,7 @@ def _describe(args) -> int:
     with make_client(args) as c:
         d = c.describe(args.model, args.size)
     m = d.model
-    print(f"model {m.name} ({m.architecture}) on {m.device}, {m.dtype}; weights: "
+    print(f"model {m.name} ({m.architecture}) on {m.device}, {dtype_text(m)}; weights: "
           f"{weights_text(m)}")
     print(f"default preprocessing: resize {m.resize}, centre crop {m.crop[0]}x{m.crop[1]}, "
           f"mean {_floats(m.mean)}, std {_floats(m.std)}")
@@ -64,7 +65,7 @@ def _models(args) -> int:
         for i, m in enumerate(c.list_models()):
             flag = " (default)" if i == 0 else ""
             classes = f"{classes_text(m)}, " if m.num_classes else "no head, "
-            print(f"{m.name}{flag}: {m.architecture} on {m.device}, {m.dtype}, {classes}"
+            print(f"{m.name}{flag}: {m.architecture} on {m.device}, {dtype_text(m)}, {classes}"
                   f"weights {weights_text(m)}")
     return 0
 

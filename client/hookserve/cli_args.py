@@ -121,6 +121,12 @@ def weights_text(m: Any) -> str:
             + ("" if m.pretrained else "  [RANDOM: not for real use]"))
 
 
+def dtype_text(m: Any) -> str:
+    """A model's dtype as the CLI prints it, with its arithmetic when that is not fp32
+    (``float32, bf16 autocast``)."""
+    return m.dtype if m.precision == "fp32" else f"{m.dtype}, {m.precision} autocast"
+
+
 def classes_text(m: Any) -> str:
     """A model's classes as the CLI prints them: the count, and the first names."""
     if not m.labels:

@@ -98,12 +98,12 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     names, weights, device, options = check(args, pre)
     warm = tuple(parse_warm(w, args.max_batch_size, args.max_input_side)
                  for w in args.warm or [])   # (before any model loads)
-    precisions = precision.per_model(names, [  # a model file's entry wins over the flag
-        *(args.precision or []), *(f"{e.name}={e.precision}" for e in pre.entries
-                                   if e.precision)])
+    own = {e.name: e.precision for e in pre.entries if e.precision}
+    precisions = precision.per_model(names, args.precision or [], own)  # (the file wins)
     devices = {e.name: _device_of(e) if e.device else device for e in pre.entries}
     for e in pre.entries:  # every model's precision before any model loads
-        precision.check(precisions[e.name], devices[e.name], e.dtype or args.dtype, e.name)
+        precision.check(precisions[e.name], devices[e.name], e.dtype or args.dtype, e.name,
+                        in_file=e.name in own)
     if args.threads:
         torch.set_num_threads(args.threads)
     models = []

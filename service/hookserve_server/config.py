@@ -254,8 +254,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--compile-max-graphs", default=8, type=int, metavar="N",
          help="compiled graphs kept, least recently used dropped first")
     _add(g, "--compile-max-bytes", default="2GiB", type=byte_size, metavar="SIZE",
-         help="estimated memory of the compiled graphs kept (twice the weights each "
-              "reaches on the CPU, where graphs are frozen; once on CUDA)")
+         help="estimated memory of the graphs kept (a graph over it alone is not): "
+              "twice the weights each reaches on the CPU (frozen), once on CUDA")
     _add(g, "--compile-backend", default="inductor", choices=["inductor", "eager"],
          help="torch.compile backend: inductor serves; eager runs the same machinery "
               "without code generation (to check a deployment's compile path quickly)")

@@ -122,6 +122,9 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
         raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} (keys: "
                           f"{', '.join(sorted(KEYS))})")
     arch = t.get("architecture")
+    if arch is None:
+        raise ConfigError(f"{where}: no architecture: add architecture = \"resnet50\" (or "
+                          "another: `hookserve models --available` lists them)")
     if not isinstance(arch, str) or not known_architecture(arch):
         raise ConfigError(f"{where}: architecture {arch!r} is not a torchvision classifier "
                           "(`hookserve models --available` lists them)")

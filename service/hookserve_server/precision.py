@@ -33,11 +33,14 @@ class Precision(enum.Enum):
 AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
-def per_model(models: list[str], specs: list[str]) -> dict[str, Precision]:
-    """`--precision` values -> {model: Precision}: 'P' sets all, 'MODEL=P' one."""
+def per_model(models: list[str], specs: list[str], own: dict[str, str] | None = None
+              ) -> dict[str, Precision]:
+    """`--precision` values -> {model: Precision}: 'P' sets all, 'MODEL=P' one (a model
+    named twice is refused); `own`: a model file's entries, which win over the flag."""
     out = dict.fromkeys(models, Precision.FP32)
     choices = ", ".join(p.value for p in Precision)
-    for spec in specs:
+    named: dict[str, str] = {}
+    for spec in [*specs, *(f"{m}={p}" for m, p in (own or {}).items())]:
         name, sep, value = spec.partition("=")
         if not sep:
             name, value = "", spec
@@ -51,19 +54,30 @@ def per_model(models: list[str], specs: list[str]) -> dict[str, Precision]:
             known = "a known model" if name in ARCHITECTURES else "an architecture"
             raise ConfigError(f"--precision {spec}: {name} is not among --model "
                               f"{models} ({known})")
+        if name in named and name not in (own or {}) and named[name] != value:
+            raise ConfigError(f"--precision gives {name} twice ({named[name]}, {value}): "
+                              "give it once")
+        named.setdefault(name, value)
         for m in [name] if name else out:
             out[m] = p
     return out
 
 
-def check(precision: Precision, device: torch.device, dtype: str, model: str) -> None:
-    """ConfigError when `precision` cannot run on `device` (or with `--dtype`)."""
+def check(precision: Precision, device: torch.device, dtype: str, model: str,
+          in_file: bool = False) -> None:
+    """ConfigError when `precision` cannot run on `device` (or with the dtype), named
+    as the operator gave it: flags, or (`in_file`) the model file's keys."""
     if precision is Precision.FP32:
         return
-    where = f"--precision {precision.value} for {model}"
+    if in_file:
+        where = f"--models: model {model}: precision = {precision.value!r}"
+        keys = ("precision", "dtype = 'float32'", "dtype")
+    else:
+        where = f"--precision {precision.value} for {model}"
+        keys = ("--precision", "--dtype float32", "--dtype")
     if dtype != "float32":
-        raise ConfigError(f"{where} needs --dtype float32 (--precision autocasts float32 "
-                          f"weights; --dtype {dtype} casts them): set one of the two")
+        raise ConfigError(f"{where} needs {keys[1]} ({keys[0]} autocasts float32 weights; "
+                          f"{keys[2]} {dtype} casts them): set one of the two")
     if device.type == "cuda":
         if precision is Precision.BF16 and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"{where}: {device} has no bfloat16 support; use fp16")

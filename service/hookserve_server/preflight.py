@@ -223,7 +223,7 @@ def check_ranges(args: argparse.Namespace) -> None:
                 "max_input_side", "preprocess_workers", "max_message_bytes", "chunk_bytes",
                 "max_side_streams", "max_attribution_cost",
                 "attribution_pass_cost", "compile_after", "compile_max_graphs",
-                "compile_max_sizes")
+                "compile_max_sizes", "compile_max_bytes")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")

@@ -3,37 +3,29 @@
 The measurements behind each rule are in docs/performance.md ("Compiled extraction
 graphs"). The device worker asks `CompiledGraphs.capture` for each Extract batch. A
 graph is keyed by (model, capture points, batch size, input height and width): the
-points are the layers and `:input`s asked for (reductions, dtypes and L2 are applied
-to the graph's outputs), the batch size a power of two, the input size exact
-(padding an image would change its features). The rules:
+layers and `:input`s asked for (reductions, dtypes and L2 apply to its outputs), a
+power-of-two batch size, the exact input size. The rules:
 
-- **Never wait.** A batch whose keys have ready graphs runs them (a hit); any other
-  runs the eager hooks (`capture/forward.py`), so a graph is used from the first
-  batch after its compile ends.
-- **No padding where it can be helped.** A batch of n runs as the powers of two that
-  sum to n (5 = 4 + 1), each through its own graph, once those are ready; until then
-  the graph of n's bucket runs it padded with zero images (rows never mix in eval
-  mode), if it is ready.
-- **When to compile.** A key is queued at its `after`-th batch (`--compile-after`),
-  or at start-up for each `--warm` entry. The model's thread traces the graph
-  (torch.fx over a copy of the model); one background thread takes the keys one at a
-  time and compiles each on a thread of its own that ends with the compile (no second
-  OpenMP team outlives it), with inductor, frozen on the CPU; that thread runs the
-  graph's first call with the model thread's OpenMP thread count (torch.compile
-  guards on it).
-- **Bounds.** At most (buckets) x `max_sizes` keys per layer set (the first input
-  sizes to become due, `--warm` entries included; other sizes stay eager); a graph
-  dropped from the LRU compiles again when due again. Parts are used only when that
-  many graphs of the layer set fit in the LRU together, else the padded bucket is the
-  key, so parts do not evict each other without end. The LRU holds at most
-  `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated memory
-  (`capture/compiled.graph_bytes`). What is remembered per key and per layer set
-  (batch counts, input sizes, memory estimates, failures) is bounded too, since
-  clients choose the layer sets and, in native mode, the input sizes: `max_tracked`
-  entries each, the least recently used forgotten first (a forgotten count or list
-  of sizes starts again; a forgotten failure is tried once more).
-- **Failures.** A layer set whose graph cannot be built or compiled is served eagerly
-  from then on; the failure is logged once.
+- **Never wait.** A batch whose keys have ready graphs runs them; any other runs the
+  eager hooks (`capture/forward.py`). A batch of n runs as the powers of two that sum
+  to n (5 = 4 + 1), each through its graph, once those are ready; until then the graph
+  of n's bucket runs it padded with zero images (rows never mix in eval mode).
+- **When to compile.** A key is queued at its `after`-th batch (`--compile-after`; the
+  start-up warm-up pass does not count), or at start-up for each `--warm` entry. The
+  model's thread traces the graph (torch.fx over a copy of the model); one background
+  thread compiles the keys one at a time, each on a thread of its own that ends with
+  the compile (no second OpenMP team outlives it), with inductor, frozen on the CPU,
+  under the model thread's OpenMP thread count (torch.compile guards on it).
+- **Bounds.** At most (buckets) x `max_sizes` keys per layer set (the first input sizes
+  to become due, `--warm` entries included; others stay eager); a graph dropped from
+  the LRU compiles again when due again. Parts are used only when that many graphs of
+  the layer set fit in the LRU together, else the padded bucket is the key. The LRU
+  holds at most `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated
+  memory (`capture/compiled.graph_bytes`); a graph over that alone is not kept. What
+  is remembered per key and layer set (batch counts, sizes, estimates, failures) is
+  bounded to `max_tracked` entries each, least recently used forgotten first.
+- **Failures.** A layer set whose graph cannot be built, compiled or kept at an input
+  size is served eagerly at that size from then on, logged once.
 - Attribute batches never come here: they keep the autograd path.
 """
 
@@ -45,7 +37,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -53,38 +44,17 @@ from ..capture.compiled import build_graph, graph_bytes, to_bucket
 from ..capture.forward import capture
 from ..capture.plan import CapturePlan, CapturePoint, point_of
 from ..capture.reduce import reduce
+from ..capture.table import entry
 from ..capture.tracing import sharing, tracing
-from ..errors import ConfigError
+from ..errors import ConfigError, HookserveError
 from ..models import ServedModel
 from ..precision import autocast
 from ..recent import Recent
 from ..spec import LayerSpec
 from ..telemetry import Telemetry
-from .config import CompileSettings
+from .config import CompileSettings, CompileStats
 
 log = logging.getLogger("hookserve.compile")
-
-
-@dataclass
-class Stats:
-    """What /metrics and tests read: compiles done, their seconds, graph hits,
-    eager batches, evictions, failed layer sets, and the graphs' memory estimate."""
-
-    compiles: int = 0
-    compile_seconds: float = 0.0
-    hits: int = 0
-    eager: int = 0
-    evictions: int = 0
-    failures: int = 0
-    graph_bytes: int = 0
-    pending: int = 0
-    #: the keys of the most recent compiles (RECENT_COMPILES of them)
-    compiled_keys: collections.deque = field(
-        default_factory=lambda: collections.deque(maxlen=RECENT_COMPILES))
-
-
-#: How many compiled keys `Stats.compiled_keys` keeps.
-RECENT_COMPILES = 256
 
 
 def bucket(n: int) -> int:
@@ -104,7 +74,7 @@ class CompiledGraphs:
                  telemetry: Telemetry | None = None) -> None:
         self.settings = settings or CompileSettings()
         self.telemetry = telemetry or Telemetry()
-        self.stats = Stats()
+        self.stats = CompileStats()
         self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> (fn, bytes)
         # What is remembered per key and per layer set is bounded (max_tracked each):
         # clients choose layer sets and, in native mode, input sizes.
@@ -112,8 +82,10 @@ class CompiledGraphs:
         #: key -> the batches counted towards its compile
         self._seen = Recent(limit)
         self._queued: set = set()
-        #: (model name, points) -> True: layer sets served eagerly after a failure
+        #: (model name, points, input size) -> True: served eagerly after a failure
         self._failed = Recent(limit)
+        #: whether batches count towards compiles (not the start-up warm-up pass's)
+        self.counting = True
         #: (model name, points) -> the input sizes compiled or queued for it
         self._sizes = Recent(limit)
         #: (model name, points) -> the memory estimate of one of its graphs
@@ -210,6 +182,13 @@ class CompiledGraphs:
             points = tuple(sorted({point_of(m, LayerSpec(name)) for name in w.layers},
                                   key=_order))
             size = w.size or m.defaults.crop
+            table = m.layer_table(*size)
+            for name in w.layers:
+                try:
+                    entry(table, name)
+                except HookserveError as exc:
+                    raise ConfigError(f"--warm {w.model}={'+'.join(w.layers)}: "
+                                      f"{exc.message}: warm it at a larger @HxW") from None
             jobs.append((m, (m.name, points, bucket(w.batch), tuple(size))))
         # every entry traced before the first compile starts, in one turn of the gate
         with self._busy, tracing():
@@ -251,7 +230,7 @@ class CompiledGraphs:
     def _count(self, key) -> bool:
         """(Under the lock) count a batch of `key`: True when it is due a compile.
         A layer set compiles at most `max_sizes` input sizes; other sizes stay eager."""
-        if self._failed.get((key[0], key[1])) or key in self._queued:
+        if not self.counting or self._failed.get(_failure(key)) or key in self._queued:
             return False
         sizes = self._sizes.get((key[0], key[1]), ())
         if key[3] not in sizes and len(sizes) >= self.settings.max_sizes:
@@ -315,7 +294,11 @@ class CompiledGraphs:
             worker.start()
             worker.join()
             fn, nbytes, exc = done[0] if done else (None, 0, RuntimeError("compile ended"))
-            if exc is not None:   # the layer set is served eagerly from now on
+            if fn is not None and nbytes > self.settings.max_bytes:
+                fn, exc = None, MemoryError(
+                    f"its graph takes about {nbytes} bytes, over --compile-max-bytes "
+                    f"{self.settings.max_bytes}")
+            if exc is not None:   # the layer set is served eagerly at that size from now on
                 log.warning("compiling %s %s failed; serving it eagerly: %s: %s", key[0],
                             [_name(p) for p in key[1]], type(exc).__name__,
                             " ".join(str(exc).split())[:300])
@@ -324,7 +307,7 @@ class CompiledGraphs:
                 self._queued.discard(key)
                 self.stats.pending = len(self._queued)
                 if fn is None:
-                    self._failed[(key[0], key[1])] = True
+                    self._failed[_failure(key)] = True
                     self.stats.failures += 1
                     self.telemetry.compile_event("failure")
                 else:
@@ -389,6 +372,12 @@ class CompiledGraphs:
             self.stats.evictions += 1
             self.telemetry.compile_event("eviction")
             self.stats.graph_bytes = sum(b for _, b in self._graphs.values())
+
+
+def _failure(key) -> tuple:
+    """What a failed compile is remembered under: the layer set at that input size
+    (another size of it may well compile)."""
+    return (key[0], key[1], key[3])
 
 
 def _order(p: CapturePoint) -> tuple:

@@ -4,6 +4,7 @@ flags (`hookserve_server/config.py`)."""
 
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass, field
 
@@ -102,3 +103,25 @@ class CompileSettings:
     #: keys and layer sets whose batch counts, input sizes, estimates and failures are
     #: remembered (each; the least recently used are forgotten first)
     max_tracked: int = 4096
+
+
+@dataclass
+class CompileStats:
+    """What /metrics and tests read: compiles done, their seconds, graph hits,
+    eager batches, evictions, failed layer sets, and the graphs' memory estimate."""
+
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    hits: int = 0
+    eager: int = 0
+    evictions: int = 0
+    failures: int = 0
+    graph_bytes: int = 0
+    pending: int = 0
+    #: the keys of the most recent compiles (RECENT_COMPILES of them)
+    compiled_keys: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_COMPILES))
+
+
+#: How many compiled keys `CompileStats.compiled_keys` keeps.
+RECENT_COMPILES = 256
