@@ -220,3 +220,23 @@ def test_a_changed_file_with_an_odd_name_is_reported_under_its_id(tmp_path):
     st = os.stat(raw)
     _, failures, _ = plan([path], {encode_name(path): (st.st_size + 1, st.st_mtime_ns, "")})
     assert [(f[0], f[1]) for f in failures] == [(encode_name(path), "FAILED_PRECONDITION")]
+
+
+def test_an_h5_output_in_a_new_folder_is_made_and_odd_places_are_named(tmp_path):
+    """As the Parquet and folder outputs do, an .h5 output makes its folder; a folder
+    named like the file, or a place no file can be made, is one line saying so."""
+    pytest.importorskip("h5py")
+    from hookserve.batch.sinks.base import OutputError
+    from hookserve.batch.sinks.h5 import H5Sink
+
+    sink = H5Sink(str(tmp_path / "new" / "sub" / "o.h5"), {})
+    sink.open()
+    sink.close(True)
+    assert (tmp_path / "new" / "sub" / "o.h5").is_file()
+    (tmp_path / "dir.h5").mkdir()
+    with pytest.raises(OutputError, match="dir.h5 is a folder; an .h5 output is a file"):
+        H5Sink(str(tmp_path / "dir.h5"), {}).open()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputError, match="cannot write the output's lock file .*: "
+                                          "choose another --out"):
+        H5Sink(str(tmp_path / "file" / "o.h5"), {}).open()

@@ -173,3 +173,15 @@ def test_extract_that_writes_nothing_keeps_an_earlier_npz(server, img, tmp_path)
 def test_extract_layer_mistakes_are_refused_before_any_call(img, layers, words):
     r = hs("extract", str(img), "--layers", layers, "--server", "localhost:1")
     assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["extract", "a.jpg", "--layers", "fc"], ["batch", "imgs", "--out", "o.h5", "--layers", "fc"],
+    ["describe"], ["models"], ["attribute", "a.jpg", "--out", "m"], ["health"]])
+def test_a_mistyped_flag_names_its_subcommand(command):
+    r = hs(*command, "--reductoin", "avg")
+    assert r.returncode == 2
+    assert (f"hookserve {command[0]}: " in r.stderr
+            and "unrecognized arguments: --reductoin" in r.stderr
+            and f"`hookserve {command[0]} --help` lists the flags" in r.stderr), r.stderr
+    assert "usage: hookserve [-h]" not in r.stderr

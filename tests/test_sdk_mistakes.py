@@ -148,3 +148,24 @@ def test_tls_on_one_side_only_says_what_to_change(pki, server):
             pytest.raises(hookserve.errors.Unavailable, match="does not speak TLS on this "
                                                               "port"):
         c.list_models()
+
+
+def test_a_connection_that_fails_says_what_to_change(make_server):
+    import socket
+
+    from helpers import hs
+
+    with socket.socket() as sock:   # a port nothing listens on (bound, never listening)
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+        with hookserve.Client(dead, timeout=30, retries=0) as c, \
+                pytest.raises(hookserve.errors.Unavailable, match="nothing listens there: "
+                                                                  "start `hookserve serve`"):
+            c.list_models()
+        r = hs("describe", "--server", dead, "--timeout", "30")
+        assert r.returncode == 1 and "nothing listens there" in r.stderr, r.stderr
+    s = make_server("--model", "resnet18", "--weights", "random", "--metrics-port", "0")
+    with hookserve.Client(f"127.0.0.1:{s.metrics_port}", timeout=30, retries=0) as c, \
+            pytest.raises(hookserve.errors.Unavailable, match="that port speaks HTTP/1, "
+                                                              "not gRPC"):
+        c.list_models()

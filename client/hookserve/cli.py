@@ -155,6 +155,19 @@ def _health(args) -> int:
     return 0 if status == "SERVING" else 1
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own error, naming it
+    and its --help (argparse leaves it to the top-level parser, whose usage says
+    nothing of the subcommand's flags)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)} (`{self.prog} --help` "
+                       "lists the flags)")
+        return namespace, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -163,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Remote feature extraction from torchvision CNNs over gRPC.")
     p.add_argument("--version", action="version", version=f"hookserve {__version__}",
                    help="print the version and exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=CommandParser)
 
     from hookserve_server.command import add_serve_parser  # the one door to the server
     add_serve_parser(sub)

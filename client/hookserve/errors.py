@@ -102,12 +102,13 @@ def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
     if found is not None:
         details = over_limit_message("a request", *found)
     if code == grpc.StatusCode.UNAVAILABLE:
-        details = (details or "") + _tls_hint(details or "")
+        details = (details or "") + _connect_hint(details or "")
     return error_for(code, details or "", retry_after_s=retry)
 
 
-def _tls_hint(details: str) -> str:
-    """What to change when a connection failed for TLS on one side only."""
+def _connect_hint(details: str) -> str:
+    """What to change when a connection failed: TLS on one side only, nothing
+    listening, an HTTP/1 port, a name that does not resolve."""
     if "WRONG_VERSION_NUMBER" in details:
         return (" (the server does not speak TLS on this port: address it without "
                 "grpcs://, and drop --ca/--cert/--key)")
@@ -117,6 +118,14 @@ def _tls_hint(details: str) -> str:
     if details.rstrip().endswith("Socket closed"):
         return (" (if the server uses TLS, address it as grpcs://host:port, with --ca, "
                 "root_certificates= in the SDK, for a private CA)")
+    if "http1.x server" in details or "Failed parsing HTTP/2" in details:
+        return (" (that port speaks HTTP/1, not gRPC: give the server's --port, not its "
+                "--http-port or --metrics-port)")
+    if "Connection refused" in details:
+        return (" (nothing listens there: start `hookserve serve`, or give the host and "
+                "port it serves on; its port is 50051 unless --port says otherwise)")
+    if "DNS resolution failed" in details:
+        return " (the host name does not resolve: check its spelling)"
     return ""
 
 

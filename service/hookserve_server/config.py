@@ -336,10 +336,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
               "before a crop (e.g. a 1x1000 image resized to 256 would be 256x256000), "
               "checked from the image header before decoding")
     _add(g, "--max-attribution-cost", default=1024, type=int, metavar="N",
-         help="largest Attribute work in forward-equivalents: points x (1 + 2 x top_k), "
-              "points being 1, steps + 1 (integrated_gradients) or samples + 1 "
-              "(smooth_grad). A costlier spec gets INVALID_ARGUMENT; an Attribute batch, "
-              "and so one call's work on the model at once, stays within it too")
+         help="largest Attribute work in forward-equivalents: passes x (1 + 2 x top_k), "
+              "passes being 1, steps + 1 (integrated_gradients) or samples (smooth_grad, "
+              "+ 1 forward). A costlier spec gets INVALID_ARGUMENT; a batch, and so one "
+              "call's work on the model at once, stays within it too")
     _add(g, "--attribution-pass-cost", default=16, type=int, metavar="N",
          help="forward-equivalents of one Attribute pass (rows x (1 + 2 x targets); one "
               "row always runs): between passes the model's thread runs other calls' "

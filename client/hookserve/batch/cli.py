@@ -57,7 +57,8 @@ with different --shard share one --out. See docs/batch.md and docs/scale-out.md.
 def _one_line_error(prog: str):
     """argparse's error, as one line and exit code 2 (no usage block)."""
     def error(message: str):
-        print(f"{prog}: {message} (see --help)", file=sys.stderr)
+        hint = "" if "--help" in message else " (see --help)"
+        print(f"{prog}: {message}{hint}", file=sys.stderr)
         sys.exit(EXIT_CANNOT_PROCEED)
     return error
 

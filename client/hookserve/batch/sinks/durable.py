@@ -86,7 +86,12 @@ class Lock:
     """An exclusive flock so two runs never write the same output at once."""
 
     def __init__(self, path: str) -> None:
-        self.fh = open(path, "a+")  # noqa: SIM115 - held for the sink's lifetime
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            self.fh = open(path, "a+")  # noqa: SIM115 - held for the sink's lifetime
+        except OSError as exc:
+            raise OutputError(f"cannot write the output's lock file {path}: "
+                              f"{exc.strerror or exc}: choose another --out") from None
         try:
             fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -36,6 +36,9 @@ class H5Sink(PartSink):
 
     def open(self) -> None:
         h5py = self.h5py
+        if os.path.isdir(self.out):
+            raise OutputError(f"{self.out} is a folder; an .h5 output is a file: choose "
+                              "another --out (a folder output ends in / or has no suffix)")
         self.take_lock()  # before a finished file's parts folder is made again
         if os.path.exists(self.out):
             try:
