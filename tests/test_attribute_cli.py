@@ -52,6 +52,26 @@ def test_attribute_input_space_top_k_writes_one_overlay_per_class(server, tmp_pa
     for k in (1, 2):
         with Image.open(tmp_path / "o" / f"x.{k}.png") as png:
             assert png.size == (40, 40)
+    # one line per image: "classes A (p=...), B (p=...)"
+    import re
+    assert re.search(r"x\.png  classes \d+ \(p=[0-9.]+\), \d+ \(p=[0-9.]+\)  map 2x3x40x40",
+                     r.stdout), r.stdout
+
+
+def test_attribute_options_that_cannot_go_together_are_named_in_flags(tmp_path):
+    p = tmp_path / "x.png"
+    p.write_bytes(encode(rand_image(40, 40, seed=3)))
+    for flags, words in (
+            (["--steps", "5"], "--steps is an option of --method integrated_gradients, not "
+                               "of grad_cam: drop it, or add --method integrated_gradients"),
+            (["--method", "gradient", "--layer", "layer4"],
+             "--method gradient explains the input and takes no --layer: drop --layer "
+             "layer4, or use a CAM method (grad_cam"),
+            (["--target", "5", "--top-k", "2"], "--target 5 and --top-k 2 each choose the "
+                                                 "classes explained: give one of the two")):
+        r = hs("attribute", str(p), "--out", str(tmp_path / "o"), *flags,
+               "--server", "localhost:1")   # refused before any call
+        assert r.returncode == 2 and words in r.stderr, r.stderr
 
 
 def test_extract_and_batch_take_reduction_stats(server, client, tmp_path):

@@ -32,7 +32,7 @@ from .cli_args import (
     unique_names,
 )
 from .overlay import SIGNS
-from .tables import BASELINES, METHODS, SCORES
+from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
 
 
 def add_attribute_parser(sub) -> None:
@@ -40,7 +40,9 @@ def add_attribute_parser(sub) -> None:
         "attribute", help="saliency maps (Grad-CAM and friends) as overlays and .npy",
         description="Explain a class score of a few images: per image, write "
                     "OUT/<name>.png (the map over the image the model saw) and "
-                    "OUT/<name>.npy (the raw float32 map). <name> mirrors the input's "
+                    "OUT/<name>.npy (the raw float32 map; with --top-k K of 2 or more, K "
+                    "maps, and the overlays OUT/<name>.1.png ... OUT/<name>.K.png, most "
+                    "likely class first). <name> mirrors the input's "
                     "path below the inputs' common folder (a/cat.png b/cat.png: OUT/a/cat.*, "
                     "OUT/b/cat.*); inputs that would still share a name keep their "
                     "suffix or get a number, so none overwrites another. See "
@@ -107,6 +109,21 @@ def _check(args) -> str | None:
         return f"--alpha must be in [0, 1], got {args.alpha}"
     if args.clip is not None and not 0.0 < args.clip <= 100.0:
         return f"--clip is a percentile in (0, 100], got {args.clip}"
+    # what the SDK and the server would refuse, said in the command's own flags
+    for flag, given, owner in (("--steps", args.steps, "integrated_gradients"),
+                               ("--baseline", args.baseline != "zeros", "integrated_gradients"),
+                               ("--samples", args.samples, "smooth_grad"),
+                               ("--sigma", args.sigma, "smooth_grad"),
+                               ("--seed", args.seed, "smooth_grad")):
+        if given and args.method != owner:
+            return (f"{flag} is an option of --method {owner}, not of {args.method}: drop "
+                    f"it, or add --method {owner}")
+    if args.layer and args.method not in CAM_METHODS:
+        return (f"--method {args.method} explains the input and takes no --layer: drop "
+                f"--layer {args.layer}, or use a CAM method ({', '.join(CAM_METHODS)})")
+    if args.target is not None and args.top_k > 1:
+        return (f"--target {args.target} and --top-k {args.top_k} each choose the classes "
+                "explained: give one of the two")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         return f"--out {args.out} is a file: attribute writes a folder of .png and .npy files"
@@ -151,10 +168,11 @@ def _attribute(args) -> int:
                 overlay(args.images[r.index], r, args.alpha, index=k or 0, clip=args.clip,
                         sign=args.sign).save(png)
                 pngs.append(png)
-            classes = ",".join(f"{t.target.index}{label_text(t.target.label)} "
-                               f"(p={t.target.prob:.3f}"
-                               + ("" if t.delta is None else f", delta={t.delta:.4g}") + ")"
-                               for t in r.targets)
-            print(f"{r.id}  class {classes}  map {'x'.join(map(str, r.map.shape))}  "
+            classes = ", ".join(f"{t.target.index}{label_text(t.target.label)} "
+                                f"(p={t.target.prob:.3f}"
+                                + ("" if t.delta is None else f", delta={t.delta:.4g}") + ")"
+                                for t in r.targets)
+            which = "class" if len(r.targets) == 1 else "classes"
+            print(f"{r.id}  {which} {classes}  map {'x'.join(map(str, r.map.shape))}  "
                   f"-> {base}.npy, {', '.join(pngs)}")
     return 1 if failed else 0
