@@ -185,3 +185,14 @@ def test_a_mistyped_flag_names_its_subcommand(command):
             and "unrecognized arguments: --reductoin" in r.stderr
             and f"`hookserve {command[0]} --help` lists the flags" in r.stderr), r.stderr
     assert "usage: hookserve [-h]" not in r.stderr
+
+
+def test_a_folder_given_as_an_image_points_to_batch(server, tmp_path):
+    (tmp_path / "imgs").mkdir()
+    r = hs("extract", str(tmp_path / "imgs"), "--layers", "fc", "--server", server.address)
+    assert r.returncode == 1
+    assert "it is a folder; give image files (for a folder of images, `hookserve batch` " \
+           "reads it)" in r.stderr, r.stderr
+    with hookserve.Client(server.address, timeout=60) as c, \
+            pytest.raises(hookserve.errors.InvalidArgument, match="it is a folder"):
+        c.extract(str(tmp_path / "imgs"), ["fc"])

@@ -143,8 +143,7 @@ class Extraction:
         try:
             p = _Pending(index, image_id, self._encode(obj, wire_id, extra), extra=extra)
         except (OSError, TypeError, ValueError) as exc:
-            return _Pending(index, image_id, None, errors.InvalidArgument(
-                f"could not read image {image_id!r}: {exc}"), extra)
+            return _Pending(index, image_id, None, unreadable(image_id, exc), extra)
         self._hold_if_too_large(p)
         return p
 
@@ -272,8 +271,7 @@ class ImageCall:
         try:
             self.request = pb.ExtractImageRequest(spec=spec, image=to_image(image, ""))
         except (OSError, TypeError, ValueError) as exc:
-            raise errors.InvalidArgument(
-                f"could not read image {default_id(image, 0)!r}: {exc}") from None
+            raise unreadable(default_id(image, 0), exc) from None
         self.endpoints = endpoints
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self._got = Collected()
@@ -298,3 +296,13 @@ class ImageCall:
         for msg in self.open(stub):
             self.take(msg)
         return self.features()
+
+
+def unreadable(image_id: str, exc: Exception) -> errors.InvalidArgument:
+    """An image the client could not read, as that image's error (read here, before
+    any call: not the server's answer)."""
+    if isinstance(exc, IsADirectoryError):
+        return errors.InvalidArgument(
+            f"could not read image {image_id!r}: it is a folder; give image files (for a "
+            "folder of images, `hookserve batch` reads it)")
+    return errors.InvalidArgument(f"could not read image {image_id!r}: {exc}")

@@ -140,8 +140,8 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="never show the progress bar")
     p.add_argument("--dry-run", action="store_true",
-                   help="count the inputs (and those already in --out) and exit; contacts "
-                        "no server")
+                   help="count the inputs (and, for a local run, those already in --out) "
+                        "and exit; contacts no server")
     g = p.add_argument_group(
         "sharded runs (URLs, tars, lists or tables of URLs, --image-column, a URL --out, "
         "--sharded)")

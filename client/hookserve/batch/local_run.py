@@ -160,8 +160,11 @@ def run_local(args: argparse.Namespace) -> int:
             return EXIT_CANNOT_PROCEED
         raise exc
     if workers.interrupted:
-        print(summary + f"; interrupted with {len(work) - next_pos} left: run the same "
-              "command again to finish", file=sys.stderr)
+        left = len(work) - next_pos
+        print(summary + (f"; interrupted with {left} left: run the same command again to "
+                         "finish" if left else "; interrupted after every image was "
+                         "written: run the same command again to finish the output (no "
+                         "image is extracted again)"), file=sys.stderr)
         return EXIT_INTERRUPTED
     print(summary, file=sys.stderr)
     return EXIT_SOME_FAILED if n_failed else EXIT_OK

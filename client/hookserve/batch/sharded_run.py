@@ -125,7 +125,8 @@ def run_sharded(args: argparse.Namespace) -> int:
         except OutputError as exc:
             raise Abort(str(exc)) from None
     if args.dry_run:
-        print(f"{len(shards)} input shards; {len(mine)} assigned{where}")
+        print(f"{len(shards)} input shards; {len(mine)} assigned{where} (a dry run of a "
+              "sharded run reads no done marker: a run skips the shards --out has done)")
         for s in mine:
             print(s.key)
         return EXIT_OK
