@@ -100,3 +100,13 @@ def test_a_folder_named_like_a_tar_is_a_folder(det_server, tmp_path, sharded):
         import pyarrow.parquet as pq
 
         assert sorted(pq.read_table(out).column("path").to_pylist()) == want
+
+
+def test_a_local_run_of_a_folder_of_tars_says_to_shard(det_server, tmp_path, capsys):
+    (tmp_path / "tars").mkdir()
+    (tmp_path / "tars" / "a.tar").write_bytes(tar_bytes(
+        [("0.png", encode(rand_image(32, 32, seed=350)))]))
+    capsys.readouterr()
+    assert run_batch(det_server, [str(tmp_path / "tars")], tmp_path / "o.parquet") == 2
+    assert "no input images found (the tar files below it are read by a sharded run: add " \
+           "--sharded)" in capsys.readouterr().err

@@ -13,6 +13,7 @@ the streams, write in order.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import queue
 import signal
@@ -41,6 +42,7 @@ from .inputs import (
 )
 from .limits import Cap
 from .progress import Progress
+from .readers import is_tar
 from .scheduler import Item, Scheduler, Streams
 from .sinks import OutputError, Record, ShapeMismatch, Sink, make_sink, peek_done
 from .spec import connect, describe_and_check, parse_layers
@@ -110,7 +112,9 @@ def run_local(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(args, paths)
     if not paths:
-        raise Abort("no input images found")
+        raise Abort("no input images found" + (
+            " (the tar files below it are read by a sharded run: add --sharded)"
+            if _holds_tars(args.inputs) else ""))
 
     with connect(args) as client:
         meta, opts, cap = describe_and_check(args, client, layers)
@@ -250,3 +254,11 @@ def _dry_run(args, paths: list[str]) -> int:
     print(f"{len(paths)} images{shard}; {already} already in {out}; "
           f"{len(paths) - already} to extract")
     return EXIT_OK
+
+
+def _holds_tars(inputs: list[str], look: int = 10_000) -> bool:
+    """Whether a folder among `inputs` holds tar files (among its first `look` files):
+    a local run lists images only."""
+    names = (n for spec in inputs if os.path.isdir(spec)
+             for _, _, files in os.walk(spec) for n in files)
+    return any(is_tar(n) for n in itertools.islice(names, look))

@@ -65,7 +65,10 @@ class NpySink(Sink):
         name = safe_relpath(path)
         other = self.names.get(name)
         if other is not None and other != path:
-            raise ShapeMismatch(f"file name {name!r} is already used by {other!r}")
+            raise ShapeMismatch(f"file name {name!r} is already used by {other!r} (a folder "
+                                "output names files by path, '..' as '__'): write these "
+                                "inputs to a .parquet or .h5 output, which keep each path "
+                                "whole")
         return name
 
     def add(self, rec: Record) -> None:
