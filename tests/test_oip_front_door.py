@@ -221,3 +221,18 @@ def test_a_stream_open_at_drain_refuses_each_later_request_with_its_id(make_serv
         assert result is None and "[UNAVAILABLE] server is shutting down" in error.message()
     c.stop_stream()
     c.close()
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"mode": None}, "request parameter mode=null: use one of"),
+    ({"resize": True}, "request parameter resize=true: use an integer"),
+])
+def test_rest_messages_show_values_as_json_writes_them(srv, params, words):
+    good = {"name": "IMAGE", "datatype": "BYTES", "shape": [1],
+            "data": [{"b64": base64.b64encode(IMG).decode()}]}
+    status, body = post(srv, "/v2/models/r18.v2/infer", {"inputs": [good],
+                                                         "parameters": params})
+    assert status == 400 and words in body["error"], body
+    status, body = post(srv, "/v2/models/r18.v2/infer", {"inputs": [good], "outputs": [
+        {"name": "fc", "parameters": {"classification": True}}]})
+    assert status == 400 and "classification=true: use an integer" in body["error"], body

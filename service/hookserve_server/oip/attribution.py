@@ -63,11 +63,11 @@ def check_method(name: str, method: str) -> Method:
 
 def _float(value, what: str) -> float:
     if isinstance(value, bool):
-        raise InvalidArgument(f"{what}={value!r}: use a number")
+        raise InvalidArgument(f"{what}={rq.shown(value)}: use a number")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise InvalidArgument(f"{what}={value!r}: use a number") from None
+        raise InvalidArgument(f"{what}={rq.shown(value)}: use a number") from None
 
 
 def spec_of(call: rq.InferCall, model: str, method: Method) -> AttributionSpec:

@@ -10,6 +10,7 @@ The request parameter `timeout` (microseconds) is kept apart as the call's deadl
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
@@ -105,10 +106,20 @@ class OutPlan:
     classification: int = 0
 
 
+def shown(value) -> str:
+    """A parameter's value as messages show it: a string quoted, anything else as JSON
+    writes it (null, true, 1e+30), short."""
+    try:
+        text = repr(value) if isinstance(value, str) else json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _choice(enum_cls, value, what: str):
     if isinstance(value, str) and value.upper() in enum_cls.__members__:
         return enum_cls[value.upper()]
-    raise InvalidArgument(f"{what}={value!r}: use one of {enum_cls.labels()}")
+    raise InvalidArgument(f"{what}={shown(value)}: use one of {enum_cls.labels()}")
 
 
 def _bool(value, what: str) -> bool:
@@ -116,16 +127,16 @@ def _bool(value, what: str) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    raise InvalidArgument(f"{what}={value!r}: use true or false")
+    raise InvalidArgument(f"{what}={shown(value)}: use true or false")
 
 
 def as_int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidArgument(f"{what}={value!r}: use an integer")
+        raise InvalidArgument(f"{what}={shown(value)}: use an integer")
     try:
         return int(value)
     except ValueError:
-        raise InvalidArgument(f"{what}={value!r}: use an integer") from None
+        raise InvalidArgument(f"{what}={shown(value)}: use an integer") from None
 
 
 def output_plans(outputs: list[OutRequest], logits: str) -> list[OutPlan]:

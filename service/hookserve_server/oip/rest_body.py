@@ -28,6 +28,7 @@ from .request import (
     distinct_inputs,
     no_shared_memory,
     own_params,
+    shown,
     timeout_of,
 )
 from .tensors import InferAnswer, unpack_bytes
@@ -74,7 +75,7 @@ def _text(v, what: str) -> str:
 def _flag(params: dict, key: str, what: str) -> bool | None:
     v = params.get(key)
     if v is not None and not isinstance(v, bool):
-        raise InvalidArgument(f"{what} parameter {key} must be true or false, not {v!r}"
+        raise InvalidArgument(f"{what} parameter {key} must be true or false, not {shown(v)}"
                               [:300])
     return v
 
