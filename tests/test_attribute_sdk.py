@@ -168,7 +168,7 @@ def test_stats_reduction_through_the_sdk(client, imgs):
 
 
 def test_overlay_heat_clips_at_a_percentile_and_picks_a_sign():
-    from hookserve.overlay import diverging, heat, jet
+    from hookserve.overlays import diverging, heat, jet
 
     # One outlier among 0..98: without clipping every other value is near zero.
     m = np.arange(100, dtype=np.float32).reshape(10, 10)

@@ -196,3 +196,24 @@ def test_a_folder_given_as_an_image_points_to_batch(server, tmp_path):
     with hookserve.Client(server.address, timeout=60) as c, \
             pytest.raises(hookserve.errors.InvalidArgument, match="it is a folder"):
         c.extract(str(tmp_path / "imgs"), ["fc"])
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line():
+    """`import hookserve` loads no gRPC, and the command's modules load inside its entry
+    point: a SIGINT then (here raised by an import hook as the CLI module loads, where
+    a real one lands in the first half-second) is `interrupted` and exit 130."""
+    code = """
+import sys
+import hookserve
+assert "grpc" not in sys.modules and "numpy" not in sys.modules
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "hookserve.cli":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, Interrupt())
+from hookserve.__main__ import main
+main(["models"])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 130 and r.stderr == "interrupted\n", r.stderr

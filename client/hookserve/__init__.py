@@ -8,34 +8,73 @@
         feats = await client.extract("cat.jpg", layers=["layer4"], reduction="avg")
 
 Needs only grpcio, protobuf, numpy and pillow (PIL inputs, overlays); no torch.
+
+The public names are imported when first used (`import hookserve` itself loads no
+gRPC): the `hookserve` command starts at once, and Ctrl-C while it loads is one line.
 """
 
-from . import aio
-from .attribution import Attribution, ClassScore, MapTarget
-from .client import Client, Layer, LayerInfo, ModelDescription, ModelInfo, Result
-from .errors import (
-    Cancelled,
-    DeadlineExceeded,
-    FailedPrecondition,
-    HookserveError,
-    Internal,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-)
-from .overlay import overlay
-from .tables import STATS_COLUMNS
-from .tensors import bfloat16_to_float32
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Client", "Layer", "LayerInfo", "ModelDescription", "ModelInfo", "Result",
-    "HookserveError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unavailable",
-    "DeadlineExceeded", "Cancelled", "Unauthenticated", "PermissionDenied",
-    "FailedPrecondition", "Internal", "bfloat16_to_float32", "__version__",
-    "Attribution", "ClassScore", "MapTarget", "overlay", "STATS_COLUMNS", "aio",
-]
+#: Each public name -> the module of this package that defines it.
+_HOMES = {
+    **dict.fromkeys(("Client", "Layer", "LayerInfo", "ModelDescription", "ModelInfo",
+                     "Result"), "client"),
+    **dict.fromkeys(("HookserveError", "InvalidArgument", "NotFound", "ResourceExhausted",
+                     "Unavailable", "DeadlineExceeded", "Cancelled", "Unauthenticated",
+                     "PermissionDenied", "FailedPrecondition", "Internal"), "errors"),
+    **dict.fromkeys(("Attribution", "ClassScore", "MapTarget"), "attribution"),
+    "overlay": "overlays", "STATS_COLUMNS": "tables", "bfloat16_to_float32": "tensors",
+}
+
+__all__ = [*_HOMES, "aio", "__version__"]
+
+
+def __getattr__(name: str):
+    """A public name (or a module of the package) on first use."""
+    home = _HOMES.get(name)
+    if home is None:
+        try:
+            return importlib.import_module(f".{name}", __name__)   # hookserve.aio, ...
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'hookserve' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from . import aio  # noqa: F401
+    from .attribution import Attribution, ClassScore, MapTarget  # noqa: F401
+    from .client import (  # noqa: F401
+        Client,
+        Layer,
+        LayerInfo,
+        ModelDescription,
+        ModelInfo,
+        Result,
+    )
+    from .errors import (  # noqa: F401
+        Cancelled,
+        DeadlineExceeded,
+        FailedPrecondition,
+        HookserveError,
+        Internal,
+        InvalidArgument,
+        NotFound,
+        PermissionDenied,
+        ResourceExhausted,
+        Unauthenticated,
+        Unavailable,
+    )
+    from .overlays import overlay  # noqa: F401
+    from .tables import STATS_COLUMNS  # noqa: F401
+    from .tensors import bfloat16_to_float32  # noqa: F401

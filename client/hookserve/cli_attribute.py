@@ -31,7 +31,7 @@ from .cli_args import (
     relative_stems,
     unique_names,
 )
-from .overlay import SIGNS
+from .overlays import SIGNS
 from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
 
 
@@ -136,7 +136,7 @@ def _check(args) -> str | None:
 def _attribute(args) -> int:
     import numpy as np
 
-    from .overlay import overlay
+    from .overlays import overlay
 
     problem = _check(args)
     if problem:
