@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         stop = app.stop_on_signals()
         server = app.start(args, pre, openmp_note)
     except KeyboardInterrupt:  # Ctrl-C before the handlers were in place
+        log.error("interrupted while starting: not serving")
         return EXIT_INTERRUPTED
     except Exception as exc:
         log.debug("start-up failed", exc_info=True)
