@@ -311,7 +311,7 @@ def test_the_cache_bound_holds(make_server):
     graphs, run = graphs_of(make_server, max_bytes=1, max_sizes=8)
     for h in (32, 40, 32):
         run(2, h, h)
-    assert graphs.stats.compiles == 0 and graphs.stats.failures == 2
+    assert graphs.stats.compiles == 0 and graphs.stats.failures == 1   # (at any size)
     assert len(graphs._graphs) == 0 and graphs.stats.graph_bytes == 0
 
 

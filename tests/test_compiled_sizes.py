@@ -38,14 +38,16 @@ def test_a_failure_at_one_input_size_leaves_the_others_compiling(make_server):
 
 
 @pytest.mark.parametrize("warm, words", [
-    ("vgg11=features.20@16x16", "features.20 cannot be computed"),
-    ("vgg11=classifier@16x16", "warm it at a larger @HxW"),
+    ("vgg11=features.20@16x16", "vgg11=features.20@16x16: it cannot run at that size "
+                                "(layer features.20 cannot be computed): give another @HxW"),
+    ("vgg11=classifier@16x16", "give another @HxW, or another layer"),
+    ("maxvit_t=blocks.0@256x256", "(maxvit_t runs at 224x224 only"),
 ])
 def test_a_warm_entry_its_layers_cannot_run_at_is_refused(make_server, warm, words):
     with pytest.raises(ConfigError) as err:
-        make_server("--model", "vgg11", "--weights", "random", "--compile", "auto",
-                    "--compile-backend", "eager", "--warm", warm)
-    assert words in str(err.value) and str(err.value).startswith(f"--warm {warm.split('@')[0]}")
+        make_server("--model", warm.split("=")[0], "--weights", "random", "--compile",
+                    "auto", "--compile-backend", "eager", "--warm", warm)
+    assert str(err.value).startswith(f"--warm {warm}") and words in str(err.value), err.value
 
 
 def test_the_start_up_warm_up_pass_compiles_nothing(make_server):

@@ -179,7 +179,9 @@ def test_precision_per_model_parsing():
     (["--precision", "fp16"], "fp16 runs on CUDA devices only"),
     (["--precision", "bf16", "--dtype", "bfloat16"], "needs --dtype float32"),
     (["--precision", "resnet18=bf16", "--precision", "resnet18=fp32"],
-     "--precision gives resnet18 twice (bf16, fp32): give it once"),
+     "--precision gives resnet18 two precisions (bf16, fp32): give one"),
+    (["--precision", "fp16", "--precision", "bf16"],
+     "--precision gives every model two precisions (fp16, bf16): give one"),
 ])
 def test_start_up_refuses_what_cannot_run(flags, words):
     with pytest.raises(ConfigError) as err:

@@ -103,7 +103,7 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
     devices = {e.name: _device_of(e) if e.device else device for e in pre.entries}
     for e in pre.entries:  # every model's precision before any model loads
         precision.check(precisions[e.name], devices[e.name], e.dtype or args.dtype, e.name,
-                        in_file=e.name in own)
+                        in_file=args.models if e.name in own else "")
     if args.threads:
         torch.set_num_threads(args.threads)
     models = []

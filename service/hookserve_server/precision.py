@@ -35,12 +35,13 @@ AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16
 
 def per_model(models: list[str], specs: list[str], own: dict[str, str] | None = None
               ) -> dict[str, Precision]:
-    """`--precision` values -> {model: Precision}: 'P' sets all, 'MODEL=P' one (a model
-    named twice is refused); `own`: a model file's entries, which win over the flag."""
+    """`--precision` values -> {model: Precision}: 'P' sets all, 'MODEL=P' one, in order
+    (the same model, or every model, given two precisions is refused); `own`: a model
+    file's entries (checked by model_file.py), which win over the flag."""
     out = dict.fromkeys(models, Precision.FP32)
     choices = ", ".join(p.value for p in Precision)
-    named: dict[str, str] = {}
-    for spec in [*specs, *(f"{m}={p}" for m, p in (own or {}).items())]:
+    given: dict[str, Precision] = {}
+    for spec in specs:
         name, sep, value = spec.partition("=")
         if not sep:
             name, value = "", spec
@@ -54,23 +55,24 @@ def per_model(models: list[str], specs: list[str], own: dict[str, str] | None = 
             known = "a known model" if name in ARCHITECTURES else "an architecture"
             raise ConfigError(f"--precision {spec}: {name} is not among --model "
                               f"{models} ({known})")
-        if name in named and name not in (own or {}) and named[name] != value:
-            raise ConfigError(f"--precision gives {name} twice ({named[name]}, {value}): "
-                              "give it once")
-        named.setdefault(name, value)
+        if given.setdefault(name, p) is not p:
+            raise ConfigError(f"--precision gives {name or 'every model'} two precisions "
+                              f"({given[name].value}, {p.value}): give one")
         for m in [name] if name else out:
             out[m] = p
+    for m, value in (own or {}).items():
+        out[m] = Precision(value.strip().lower())
     return out
 
 
 def check(precision: Precision, device: torch.device, dtype: str, model: str,
-          in_file: bool = False) -> None:
+          in_file: str = "") -> None:
     """ConfigError when `precision` cannot run on `device` (or with the dtype), named
-    as the operator gave it: flags, or (`in_file`) the model file's keys."""
+    as the operator gave it: flags, or the keys of the model file `in_file`."""
     if precision is Precision.FP32:
         return
     if in_file:
-        where = f"--models: model {model}: precision = {precision.value!r}"
+        where = f"--models {in_file}: model {model}: precision = {precision.value!r}"
         keys = ("precision", "dtype = 'float32'", "dtype")
     else:
         where = f"--precision {precision.value} for {model}"

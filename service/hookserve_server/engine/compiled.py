@@ -1,10 +1,9 @@
 """`--compile auto`: compiled extraction graphs, built in the background.
 
-The measurements behind each rule are in docs/performance.md ("Compiled extraction
-graphs"). The device worker asks `CompiledGraphs.capture` for each Extract batch. A
-graph is keyed by (model, capture points, batch size, input height and width): the
-layers and `:input`s asked for (reductions, dtypes and L2 apply to its outputs), a
-power-of-two batch size, the exact input size. The rules:
+The measurements behind each rule are in docs/performance.md. The device worker asks
+`CompiledGraphs.capture` for each Extract batch. A graph is keyed by (model, capture
+points, batch size, input HxW): the layers and `:input`s asked for (reductions, dtypes
+and L2 apply to its outputs), a power-of-two batch size, the exact input size:
 
 - **Never wait.** A batch whose keys have ready graphs runs them; any other runs the
   eager hooks (`capture/forward.py`). A batch of n runs as the powers of two that sum
@@ -21,11 +20,12 @@ power-of-two batch size, the exact input size. The rules:
   the LRU compiles again when due again. Parts are used only when that many graphs of
   the layer set fit in the LRU together, else the padded bucket is the key. The LRU
   holds at most `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated
-  memory (`capture/compiled.graph_bytes`); a graph over that alone is not kept. What
+  memory (`capture/compiled.graph_bytes`); a graph over that alone is not compiled. What
   is remembered per key and layer set (batch counts, sizes, estimates, failures) is
   bounded to `max_tracked` entries each, least recently used forgotten first.
-- **Failures.** A layer set whose graph cannot be built, compiled or kept at an input
-  size is served eagerly at that size from then on, logged once.
+- **Failures.** A layer set whose graph cannot be compiled at an input size is served
+  eagerly at that size from then on (at any size when it cannot be built or is over
+  the memory bound), logged once.
 - Attribute batches never come here: they keep the autograd path.
 """
 
@@ -84,8 +84,7 @@ class CompiledGraphs:
         self._queued: set = set()
         #: (model name, points, input size) -> True: served eagerly after a failure
         self._failed = Recent(limit)
-        #: whether batches count towards compiles (not the start-up warm-up pass's)
-        self.counting = True
+        self._counting = True   # (`counting`)
         #: (model name, points) -> the input sizes compiled or queued for it
         self._sizes = Recent(limit)
         #: (model name, points) -> the memory estimate of one of its graphs
@@ -182,13 +181,15 @@ class CompiledGraphs:
             points = tuple(sorted({point_of(m, LayerSpec(name)) for name in w.layers},
                                   key=_order))
             size = w.size or m.defaults.crop
-            table = m.layer_table(*size)
-            for name in w.layers:
-                try:
+            try:
+                table = m.layer_table(*size)
+                for name in w.layers:
                     entry(table, name)
-                except HookserveError as exc:
-                    raise ConfigError(f"--warm {w.model}={'+'.join(w.layers)}: "
-                                      f"{exc.message}: warm it at a larger @HxW") from None
+            except HookserveError as exc:   # (its words are a request's: say ours)
+                raise ConfigError(f"--warm {w.model}={'+'.join(w.layers)}@{size[0]}x"
+                                  f"{size[1]}: it cannot run at that size ("
+                                  f"{exc.message.split(': ')[0]}): give another @HxW, "
+                                  "or another layer") from None
             jobs.append((m, (m.name, points, bucket(w.batch), tuple(size))))
         # every entry traced before the first compile starts, in one turn of the gate
         with self._busy, tracing():
@@ -198,6 +199,11 @@ class CompiledGraphs:
         """Queue the compiles of `warm`'s traced entries (the worker serves meanwhile)."""
         for job in traced:
             self._enqueue(*job)
+
+    def counting(self, on: bool) -> None:
+        """Whether batches count towards compiles (not while the server warms up)."""
+        with self._lock:
+            self._counting = on
 
     def wait_idle(self, timeout: float) -> bool:
         """Until nothing is queued or compiling (tests, benches); False on timeout."""
@@ -230,7 +236,8 @@ class CompiledGraphs:
     def _count(self, key) -> bool:
         """(Under the lock) count a batch of `key`: True when it is due a compile.
         A layer set compiles at most `max_sizes` input sizes; other sizes stay eager."""
-        if not self.counting or self._failed.get(_failure(key)) or key in self._queued:
+        if (not self._counting or key in self._queued or self._failed.get(_failure(key))
+                or self._failed.get((key[0], key[1], None))):
             return False
         sizes = self._sizes.get((key[0], key[1]), ())
         if key[3] not in sizes and len(sizes) >= self.settings.max_sizes:
@@ -294,10 +301,6 @@ class CompiledGraphs:
             worker.start()
             worker.join()
             fn, nbytes, exc = done[0] if done else (None, 0, RuntimeError("compile ended"))
-            if fn is not None and nbytes > self.settings.max_bytes:
-                fn, exc = None, MemoryError(
-                    f"its graph takes about {nbytes} bytes, over --compile-max-bytes "
-                    f"{self.settings.max_bytes}")
             if exc is not None:   # the layer set is served eagerly at that size from now on
                 log.warning("compiling %s %s failed; serving it eagerly: %s: %s", key[0],
                             [_name(p) for p in key[1]], type(exc).__name__,
@@ -307,7 +310,7 @@ class CompiledGraphs:
                 self._queued.discard(key)
                 self.stats.pending = len(self._queued)
                 if fn is None:
-                    self._failed[_failure(key)] = True
+                    self._failed[_failure(key, exc)] = True
                     self.stats.failures += 1
                     self.telemetry.compile_event("failure")
                 else:
@@ -350,17 +353,21 @@ class CompiledGraphs:
 
     def _compile(self, model: ServedModel, key, gm):
         _, points, rows, (h, w) = key
-        if isinstance(gm, Exception):
-            raise gm
+        if isinstance(gm, Exception):   # a trace: the same at every size
+            raise _AnySize(f"{type(gm).__name__}: {gm}") from gm
         if gm is None:
-            raise ValueError("one captured module contains another")
+            raise _AnySize("one captured module contains another")
         s = self.settings
+        frozen = s.backend == "inductor" and model.device.type == "cpu"
+        nbytes = graph_bytes(gm, frozen)   # (what the weights take: known before compiling)
+        if nbytes > s.max_bytes:
+            raise _AnySize(f"its graph takes about {nbytes} bytes, over --compile-max-bytes "
+                           f"{s.max_bytes}")
         fn = torch.compile(gm, backend=s.backend, dynamic=False)
         x = torch.zeros((rows, 3, h, w), dtype=model.torch_dtype, device=model.device)
         with torch.inference_mode(), autocast(model.precision, model.device):
             fn(to_bucket(x, rows, model.channels_last))   # compiles here
-        frozen = s.backend == "inductor" and model.device.type == "cpu"
-        return fn, graph_bytes(gm, frozen)
+        return fn, nbytes
 
     def _evict(self) -> None:
         s = self.settings
@@ -374,10 +381,14 @@ class CompiledGraphs:
             self.stats.graph_bytes = sum(b for _, b in self._graphs.values())
 
 
-def _failure(key) -> tuple:
+class _AnySize(ValueError):
+    """A layer set that cannot be compiled at any input size."""
+
+
+def _failure(key, exc: BaseException | None = None) -> tuple:
     """What a failed compile is remembered under: the layer set at that input size
-    (another size of it may well compile)."""
-    return (key[0], key[1], key[3])
+    (another size may well compile), or at any size (None) for an `_AnySize`."""
+    return (key[0], key[1], None if isinstance(exc, _AnySize) else key[3])
 
 
 def _order(p: CapturePoint) -> tuple:

@@ -130,7 +130,7 @@ class Engine:
             img = ImageInput("warmup", raw=bytes(3), height=1, width=1)
             cache, self.cache = self.cache, None  # warm the model, not the cache
             for c in self.compiled:   # nor any compile: no client asked for this layer
-                c.counting = False
+                c.counting(False)
             try:
                 for r in self.session().run([spec, img]):
                     if r.error:
@@ -138,7 +138,7 @@ class Engine:
             finally:
                 self.cache = cache
                 for c in self.compiled:
-                    c.counting = True
+                    c.counting(True)
 
     def start_drain(self) -> None:
         """Stop taking new images on open streams; admitted ones still finish, and

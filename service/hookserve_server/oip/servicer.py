@@ -215,8 +215,9 @@ class OipServicer:
     def ModelStreamInfer(self, request_iterator, context) -> Iterator:
         """Each request answered in turn; a failed request's answer is its
         error_message and the stream goes on. Once the server drains, the request
-        running is answered and each later one is refused (UNAVAILABLE, with its id)
-        until the client closes its side or the grace period ends."""
+        running is answered and the stream ends (a last UNAVAILABLE says so), or the
+        next request read is refused (UNAVAILABLE, with its id) and the stream ends: an
+        open stream does not hold the drain for its grace period."""
         cancel = CallCancel()
         context.add_callback(cancel)
         with self.servicer.streams.work_slot("ModelStreamInfer"):
@@ -244,6 +245,16 @@ class OipServicer:
                             id=request.id[:200], model_name=request.model_name[:200],
                             model_version=request.model_version[:20])
                         if request is not None else None)
+                    if isinstance(exc, Unavailable) and self.engine.draining:
+                        return
+                if self.engine.draining:   # answered what was running: end here
+                    yield _DRAINING
+                    return
+
+
+_DRAINING = pb.ModelStreamInferResponse(
+    error_message="[UNAVAILABLE] server is shutting down: requests sent after the last "
+                  "answer were not read; send them to another replica")
 
 
 def _requests(request_iterator):
