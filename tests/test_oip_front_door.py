@@ -195,6 +195,8 @@ def test_a_compressed_request_body_is_read(h, algorithm):
     ("gzip", b"not gzip at all", 400, "the body is not the gzip data"),
     ("gzip", gzip.compress(b'{"inputs": []}')[:-12], 400, "the gzip body is cut short"),
     ("deflate", zlib.compress(b" " * (LIMIT + 1)), 429, f"expands to over {LIMIT} bytes"),
+    ("gzip", gzip.compress(b'{"inputs": []}') + b"garbage", 400, "is not the gzip data"),
+    ("gzip", gzip.compress(b" " * LIMIT) + gzip.compress(b" "), 429, "expands to over"),
 ])
 def test_a_compressed_body_that_cannot_be_read_is_refused(srv, encoding, data, status, words):
     got, body = post(srv, "/v2/models/r18.v2/infer", data, {"Content-Encoding": encoding})
@@ -203,6 +205,35 @@ def test_a_compressed_body_that_cannot_be_read_is_refused(srv, encoding, data, s
                         "data": [{"b64": base64.b64encode(IMG).decode()}]}]}
     assert post(srv, "/v2/models/r18.v2/infer", gzip.compress(json.dumps(good).encode()),
                 {"Content-Encoding": "gzip"})[0] == 200
+
+
+def test_a_gzip_body_of_several_members_is_read_whole(srv):
+    body = json.dumps({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
+                                   "data": [{"b64": base64.b64encode(IMG).decode()}]}]})
+    half = len(body) // 2
+    packed = gzip.compress(body[:half].encode()) + gzip.compress(body[half:].encode())
+    status, answer = post(srv, "/v2/models/r18.v2/infer", packed, {"Content-Encoding": "gzip"})
+    assert status == 200 and answer["outputs"][0]["name"] == "fc", answer
+
+
+def test_a_rest_refusal_to_retry_says_when_in_retry_after(make_server):
+    import http.client
+
+    s = make_server("--model", "resnet18", "--weights", "random", "--http-port", "0",
+                    "--max-streams", "1")
+    body = json.dumps({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
+                                   "data": [{"b64": base64.b64encode(IMG).decode()}]}]})
+    hold = s.server.stream_caps.work_slot("Extract")   # the one work call allowed
+    hold.__enter__()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", s.server.http.port, timeout=60)
+        conn.request("POST", "/v2/models/resnet18/infer", body)
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 429 and int(r.getheader("Retry-After")) >= 1
+        conn.close()
+    finally:
+        hold.__exit__(None, None, None)
 
 
 def test_a_stream_open_at_drain_refuses_its_next_request_by_id_and_ends(make_server):

@@ -34,6 +34,12 @@ def call_stats() -> dict:
     return {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
 
 
+def _expired(context) -> bool:
+    """Whether the call's own deadline has passed (a transport that has one)."""
+    remaining = getattr(context, "time_remaining", lambda: None)()
+    return remaining is not None and remaining <= 0
+
+
 class Calls:
     """Logs and counts the calls of one server (`models`: the names it holds; the
     first is the default)."""
@@ -81,11 +87,21 @@ class Calls:
             code = getattr(exc, "code", "INTERNAL")
             raise
         finally:
-            attribution = stats.get("attribution_method", "")
-            self.telemetry.call_done(method, stats.get("model", ""), code, attribution)
-            line = {"event": "call", "method": method, "peer": context.peer(), **stats,
-                    "seconds": round(time.monotonic() - t0, 4), "code": code}
-            log.info(_CallLine(line), extra={"fields": line})
+            if code == "CANCELLED" and _expired(context):   # what the client saw
+                code = "DEADLINE_EXCEEDED"
+            self._done(method, context, stats, code, t0)
+
+    def refused(self, method: str, context, code: str) -> None:
+        """A call refused before its work began (a bad token, a request that does not
+        parse, a full server): logged and counted as one call with `code`."""
+        self._done(method, context, call_stats(), code, time.monotonic())
+
+    def _done(self, method: str, context, stats: dict, code: str, t0: float) -> None:
+        attribution = stats.get("attribution_method", "")
+        self.telemetry.call_done(method, stats.get("model", ""), code, attribution)
+        line = {"event": "call", "method": method, "peer": context.peer(), **stats,
+                "seconds": round(time.monotonic() - t0, 4), "code": code}
+        log.info(_CallLine(line), extra={"fields": line})
 
     def answered(self, result: ImageResult, stats: dict,
                  messages: Callable[[ImageResult], Iterator]) -> Iterator:

@@ -58,8 +58,9 @@ class ServerOptions:
 class _TokenAuth(grpc.ServerInterceptor):
     """Requires `authorization: Bearer <token>` on every call but health checks."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, calls: Calls | None = None) -> None:
         self._expected = token.encode()
+        self._calls = calls   # a refused call is logged and counted there
 
     def intercept_service(self, continuation, details):
         if details.method.startswith(OPEN_PREFIXES):
@@ -81,7 +82,11 @@ class _TokenAuth(grpc.ServerInterceptor):
         else:
             msg = "invalid bearer token"
 
+        method = details.method.rsplit("/", 1)[-1]
+
         def deny(request, context):
+            if self._calls is not None:
+                self._calls.refused(method, context, "UNAUTHENTICATED")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
 
         return same_shape(handler, deny)
@@ -136,7 +141,7 @@ class HookServer:
         calls = Calls(engine.telemetry, engine.models, engine.default_model)
         self.servicer = Servicer(engine, calls, self.stream_caps, chunk_bytes=opts.chunk_bytes,
                                  max_message_bytes=opts.max_receive_message_bytes)
-        interceptors = [_TokenAuth(opts.auth_token)] if opts.auth_token else []
+        interceptors = [_TokenAuth(opts.auth_token, calls)] if opts.auth_token else []
         interceptors.append(self.stream_caps)
         # Each open stream holds a thread. The stream caps refuse work calls beyond
         # max_streams and other streaming methods beyond max_side_streams each, so the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import math
 import socket
 import threading
 import zlib
@@ -170,9 +171,14 @@ class OipHttp:
         return JSONResponse(body, status_code=status)
 
     def _error(self, exc: BaseException):
+        from starlette.responses import JSONResponse
+
         err = as_domain(exc)
-        return self._json({"error": short_message(err.message)},
-                          HTTP_STATUS.get(err.code, 500))
+        # a retry hint as HTTP clients read it (gRPC's is retry-after-ms)
+        after = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} \
+            if err.retry_after_s else None
+        return JSONResponse({"error": short_message(err.message)},
+                            status_code=HTTP_STATUS.get(err.code, 500), headers=after)
 
     def _authorized(self, request) -> bool:
         if self._token is None:
@@ -252,6 +258,8 @@ class OipHttp:
 
     async def _infer(self, request):
         if not self._authorized(request):
+            self.inference.servicer.calls.refused("HTTPInfer", _Peer(request.client),
+                                                  "UNAUTHENTICATED")
             return await self._guarded(request, None)
         declared = request.headers.get("content-length", "")
         held = min(int(declared), self.max_body_bytes + 1) if declared.isdigit() \
@@ -259,10 +267,13 @@ class OipHttp:
         if _encoding(request):   # and the body it expands to
             held += self.max_body_bytes
         if not self._hold(held):
-            return self._error(ResourceExhausted(
+            full = ResourceExhausted(
                 f"this server holds {BODIES} request bodies' worth of bytes now (each up to "
                 "--max-message-bytes): retry shortly, or send smaller bodies (the binary "
-                "extension, not JSON lists of numbers)", retry_after_s=1.0))
+                "extension, not JSON lists of numbers)", retry_after_s=1.0)
+            self.inference.servicer.calls.refused("HTTPInfer", _Peer(request.client),
+                                                  full.code)
+            return self._error(full)
         try:
             return await self._infer_held(request)
         finally:
@@ -277,12 +288,13 @@ class OipHttp:
             return True
 
     async def _infer_held(self, request):
+        peer = _Peer(request.client)
         try:
-            body = await self._body(request)
+            with self.inference.parsing("HTTPInfer", peer):
+                body = await self._body(request)
         except HookserveError as exc:
             return self._error(exc)
         p = request.path_params
-        peer = _Peer(request.client)
         header_length = request.headers.get(HEADER_LENGTH)
         cancel = CallCancel()
         json_bytes = int(header_length) if (header_length or "").isdigit() else len(body)
@@ -291,7 +303,8 @@ class OipHttp:
             from starlette.responses import Response
             # JSON of number lists takes about 12 times its size to parse: one large
             # body is parsed at a time
-            with self._parse_lock if json_bytes > PARSE_ALONE else contextlib.nullcontext():
+            with self.inference.parsing("HTTPInfer", peer), \
+                    self._parse_lock if json_bytes > PARSE_ALONE else contextlib.nullcontext():
                 call, binary_default = to_call(p["model"], p.get("version", ""), body,
                                                header_length)
             answer = self.inference.infer(call, "HTTPInfer", peer, cancel.set, None)
@@ -311,6 +324,10 @@ class OipHttp:
 
     async def _body(self, request) -> bytes:
         limit = self.max_body_bytes
+        encoding = _encoding(request)
+        if encoding not in ("", *INFLATE):   # refused before its bytes are read
+            raise InvalidArgument(f"Content-Encoding {encoding[:40]} is not one this "
+                                  "server reads: send the body as it is, or gzip or deflate")
         declared = request.headers.get("content-length")
         too_big = ResourceExhausted(
             f"the request body is over {limit} bytes, this server's limit "
@@ -322,8 +339,15 @@ class OipHttp:
             body += chunk
             if len(body) > limit:
                 raise too_big
-        encoding = _encoding(request)
-        return inflate(bytes(body), encoding, limit) if encoding else bytes(body)
+        if not encoding:
+            return bytes(body)
+        from starlette.concurrency import run_in_threadpool
+
+        return await run_in_threadpool(inflate, body, encoding, limit)   # (off the loop)
+
+
+#: The Content-Encodings a request body may have (besides none).
+INFLATE = ("gzip", "deflate")
 
 
 def _encoding(request) -> str:
@@ -332,22 +356,26 @@ def _encoding(request) -> str:
     return "" if encoding == "identity" else encoding
 
 
-def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+def inflate(body: bytes | bytearray, encoding: str, limit: int) -> bytes:
     """A gzip or deflate (zlib) body as sent before compression (tritonclient's
-    request_compression_algorithm), held to `limit` bytes as it expands."""
-    if encoding not in ("gzip", "deflate"):
+    request_compression_algorithm), every member of it, held to `limit` bytes as it
+    expands; bytes after the last member are refused."""
+    if encoding not in INFLATE:
         raise InvalidArgument(f"Content-Encoding {encoding[:40]} is not one this server "
                               "reads: send the body as it is, or gzip or deflate")
-    inflater = zlib.decompressobj(47)   # a zlib or gzip header, read from the data
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise InvalidArgument(f"the body is not the {encoding} data its Content-Encoding "
-                              f"says ({exc})") from None
-    if len(out) > limit:
-        raise ResourceExhausted(
-            f"the request body expands to over {limit} bytes, this server's limit "
-            "(--max-message-bytes): send fewer or smaller images per request")
-    if not inflater.eof:
-        raise InvalidArgument(f"the {encoding} body is cut short: send all of it")
-    return out
+    out, rest = bytearray(), bytes(body)
+    while rest:
+        inflater = zlib.decompressobj(47)   # a zlib or gzip header, read from the data
+        try:
+            out += inflater.decompress(rest, limit + 1 - len(out))
+        except zlib.error as exc:
+            raise InvalidArgument(f"the body is not the {encoding} data its "
+                                  f"Content-Encoding says ({exc})") from None
+        if len(out) > limit or inflater.unconsumed_tail:
+            raise ResourceExhausted(
+                f"the request body expands to over {limit} bytes, this server's limit "
+                "(--max-message-bytes): send fewer or smaller images per request")
+        if not inflater.eof:
+            raise InvalidArgument(f"the {encoding} body is cut short: send all of it")
+        rest = inflater.unused_data
+    return bytes(out)

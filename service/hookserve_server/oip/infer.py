@@ -118,6 +118,17 @@ class Inference:
         base, method = self.model_names(name)
         return f"{base}.{method}" if method else base
 
+    @contextlib.contextmanager
+    def parsing(self, method: str, context):
+        """Read a request inside this: one refused before `infer` runs (a body or
+        message that does not parse, a full server, a drain) is logged and counted as
+        a call too, with its code."""
+        try:
+            yield
+        except HookserveError as exc:
+            self.servicer.calls.refused(method, context, exc.code)
+            raise
+
     def check_version(self, version: str) -> None:
         if version not in ("", VERSION):
             raise ModelNotFound(f"model version {version[:20]!r}: hookserve serves "

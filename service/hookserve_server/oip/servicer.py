@@ -206,7 +206,8 @@ class OipServicer:
 
     @mapped
     def ModelInfer(self, request, context):
-        call = to_call(self._parse(pb.ModelInferRequest, request))
+        with self.inference.parsing("ModelInfer", context):
+            call = to_call(self._parse(pb.ModelInferRequest, request))
         answer = self.inference.infer(call, "ModelInfer", context, context.add_callback,
                                       _deadline(context))
         return to_response(answer)
@@ -224,13 +225,15 @@ class OipServicer:
             for n, raw in enumerate(_requests(request_iterator)):
                 request = None
                 try:
-                    request = wire.parse(pb.ModelInferRequest, raw, f"request message {n}")
-                    if self.engine.draining:
-                        raise Unavailable("server is shutting down: send this request and "
-                                          "the rest to another replica")
-                    answer = self.inference.infer(to_call(request), "ModelStreamInfer",
-                                                  context, cancel.set, _deadline(context),
-                                                  slot=False)
+                    with self.inference.parsing("ModelStreamInfer", context):
+                        request = wire.parse(pb.ModelInferRequest, raw,
+                                             f"request message {n}")
+                        call = to_call(request)
+                        if self.engine.draining:
+                            raise Unavailable("server is shutting down: send this request "
+                                              "and the rest to another replica")
+                    answer = self.inference.infer(call, "ModelStreamInfer", context,
+                                                  cancel.set, _deadline(context), slot=False)
                     yield pb.ModelStreamInferResponse(infer_response=to_response(answer))
                 except Exception as exc:  # noqa: BLE001 - one request fails, not the stream
                     if not isinstance(exc, HookserveError):

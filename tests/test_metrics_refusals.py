@@ -1,0 +1,90 @@
+"""Every call is counted and logged with the code its client saw, also when it was
+refused before its work began, or ran out of time:
+
+- a call whose deadline passed is DEADLINE_EXCEEDED (it was counted as CANCELLED);
+- an Open Inference Protocol request refused while it is read (a message or body that
+  does not parse), on gRPC and REST, is one call with its code (it was neither logged
+  nor counted);
+- a call refused for its token is one UNAUTHENTICATED call (native, OIP and REST).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+
+import grpc
+import pytest
+
+import hookserve
+from hookserve.v1 import hookserve_pb2 as pb
+
+from conftest import encode, rand_image
+from helpers import R18, sample, wait_until
+
+pytest.importorskip("starlette", reason="pip install hookserve[http]")
+
+
+def calls(server, method: str, code: str) -> float:
+    return sample(server, "hookserve_requests_total", method=method, model="",
+                  code=code, attribution_method="") + sample(
+        server, "hookserve_requests_total", method=method, model="resnet18", code=code,
+        attribution_method="")
+
+
+def test_a_call_past_its_deadline_is_counted_as_deadline_exceeded(make_server):
+    from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
+
+    s = make_server(*R18, "--metrics-port", "0", "--max-batch-size", "1")
+    img = encode(rand_image(224, 224, seed=1))
+    reqs = [pb.ExtractRequest(spec=pb.ExtractionSpec(layers=[pb.LayerRequest(name="layer4")])),
+            *(pb.ExtractRequest(image=pb.Image(id=str(i), encoded=img)) for i in range(200))]
+    with grpc.insecure_channel(s.address) as ch:   # more work than the deadline allows
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.FeatureExtractorStub(ch).Extract(iter(reqs), timeout=0.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: calls(s, "Extract", "DEADLINE_EXCEEDED") == 1, 60,
+               "the Extract call counted as DEADLINE_EXCEEDED")
+    assert calls(s, "Extract", "CANCELLED") == 0
+
+
+def test_oip_requests_refused_while_read_are_counted(make_server):
+    s = make_server(*R18, "--metrics-port", "0", "--http-port", "0")
+    with grpc.insecure_channel(s.address) as ch:
+        infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as err:
+            infer(b"\xff\xff not a message", timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    conn = http.client.HTTPConnection("127.0.0.1", s.server.http.port, timeout=60)
+    for body in (b"not json", json.dumps({"inputs": [{"name": "IMAGE"}]}).encode()):
+        conn.request("POST", "/v2/models/resnet18/infer", body)
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 400
+    conn.close()
+    wait_until(lambda: calls(s, "ModelInfer", "INVALID_ARGUMENT") == 1, 30, "ModelInfer")
+    wait_until(lambda: calls(s, "HTTPInfer", "INVALID_ARGUMENT") == 2, 30, "HTTPInfer")
+
+
+def test_calls_refused_for_their_token_are_counted(make_server, tmp_path):
+    (tmp_path / "token").write_text("s3cret\n")
+    s = make_server(*R18, "--metrics-port", "0", "--http-port", "0", "--auth-token-file",
+                    str(tmp_path / "token"))
+    with hookserve.Client(s.address, timeout=60, retries=0) as c, \
+            pytest.raises(hookserve.errors.Unauthenticated):
+        c.list_models()
+    with hookserve.Client(s.address, timeout=60, retries=0, token="wrong") as c, \
+            pytest.raises(hookserve.errors.Unauthenticated):
+        c.extract(encode(rand_image(32, 32, seed=1)), ["fc"])
+    conn = http.client.HTTPConnection("127.0.0.1", s.server.http.port, timeout=60)
+    body = {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
+                        "data": [{"b64": base64.b64encode(b"x").decode()}]}]}
+    conn.request("POST", "/v2/models/resnet18/infer", json.dumps(body))
+    r = conn.getresponse()
+    r.read()
+    assert r.status == 401
+    conn.close()
+    wait_until(lambda: calls(s, "ListModels", "UNAUTHENTICATED") == 1, 30, "ListModels")
+    wait_until(lambda: calls(s, "ExtractImage", "UNAUTHENTICATED") == 1, 30, "ExtractImage")
+    wait_until(lambda: calls(s, "HTTPInfer", "UNAUTHENTICATED") == 1, 30, "HTTPInfer")
