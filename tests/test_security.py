@@ -284,3 +284,40 @@ def test_two_authorization_headers_are_unauthenticated(make_server, tmp_path):
                 list_models(b"", metadata=pair, timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "2 authorization headers" in err.value.details()
+
+
+def test_a_json_log_stays_json_when_peers_misbehave(pki, tmp_path):
+    """With --log-format json every stderr line is a JSON object, also when a client
+    without a certificate fails the mutual TLS handshake (gRPC's own log line) and
+    when a peer sends the REST port something that is not HTTP (uvicorn's)."""
+    import json
+    import socket
+    import ssl
+
+    from helpers import ServeProcess
+
+    srv = pki["server"]
+    proc = ServeProcess("--model", "resnet18", "--weights", "random", "--log-format", "json",
+                        "--tls-cert", str(srv.cert_path), "--tls-key", str(srv.key_path),
+                        "--tls-client-ca", str(pki["client_ca"].path),
+                        "--http-port", "0", env={"GRPC_VERBOSITY": None})
+    try:
+        with hookserve.Client(f"grpcs://localhost:{proc.port}", timeout=10, retries=0,
+                              root_certificates=pki["server_ca"].pem) as c, \
+                pytest.raises(hookserve.errors.Unavailable):
+            c.list_models()   # no client certificate: the handshake fails
+        http_port = next(int(json.loads(line)["msg"].rsplit(":", 1)[1].split()[0])
+                         for line in list(proc.log) if "REST routes on" in line)
+        ctx = ssl.create_default_context(cafile=str(pki["server_ca"].path))
+        ctx.load_cert_chain(str(pki["client"].cert_path), str(pki["client"].key_path))
+        with socket.create_connection(("127.0.0.1", http_port), timeout=10) as raw, \
+                ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            tls.sendall(b"GARBAGE\r\n\r\n")
+            tls.recv(100)
+    finally:
+        proc.proc.terminate()
+        proc.proc.wait(60)
+    lines = [line for line in proc.log if line.strip()]
+    assert lines
+    for line in lines:
+        json.loads(line)   # not JSON: the test fails here, naming the line

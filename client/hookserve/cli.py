@@ -7,7 +7,12 @@ import contextlib
 import os
 import sys
 
-from .cli_args import (
+# gRPC's own log lines below ERROR (a peer's failed TLS handshake, ...) are not the
+# command's to print (and not in its log format): off unless the environment sets a
+# level. gRPC reads this once, when it loads: so before the imports below.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from .cli_args import (  # noqa: E402
     STREAM_TIMEOUT,
     add_connection_args,
     add_preprocessing_args,

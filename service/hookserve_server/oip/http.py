@@ -145,9 +145,11 @@ class OipHttp:
             ssl = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]}
             if tls[2]:
                 ssl.update(ssl_ca_certs=tls[2], ssl_cert_reqs=_ssl.CERT_REQUIRED)
+        # log_config None: uvicorn's records go to the server's own handler, in its
+        # --log-format, not to handlers of uvicorn's own
         self.server = uvicorn.Server(uvicorn.Config(
-            self.app, log_level="warning", lifespan="off", access_log=False,
-            timeout_graceful_shutdown=5, **ssl))
+            self.app, log_level="warning", log_config=None, lifespan="off",
+            access_log=False, timeout_graceful_shutdown=5, **ssl))
         self._thread = threading.Thread(target=self._run, name="hookserve-http",
                                         daemon=True)
 
