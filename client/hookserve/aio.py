@@ -34,7 +34,13 @@ import numpy as np
 
 from . import errors, wire
 from .attribution import AUTO_LAYER, Attribution
-from .base import ClientBase, deadline_of, health_request, health_status
+from .base import (
+    ClientBase,
+    deadline_of,
+    health_request,
+    health_status,
+    one_image_options,
+)
 from .extraction import END, PULL, READ, SEND, Extraction, _Pending, advance
 from .types import ModelDescription, ModelInfo, Size, describe_request
 from .v1 import hookserve_pb2 as pb
@@ -90,10 +96,10 @@ async def _pull(run: Extraction) -> _Pending | None:
                 return None
         elif (obj := next(source, _NONE)) is _NONE:
             return None
-    except Exception as exc:  # noqa: BLE001 - the caller's; raised after the results
-        run.source_error = exc
+        return await asyncio.to_thread(run.admit, obj) if _is_path(obj) else run.admit(obj)
+    except Exception as exc:  # noqa: BLE001 - the caller's (its images, or ids that ran
+        run.source_error = exc   # out); raised after the answered results
         return None
-    return await asyncio.to_thread(run.admit, obj) if _is_path(obj) else run.admit(obj)
 
 
 class Client(ClientBase):
@@ -139,6 +145,11 @@ class Client(ClientBase):
                 return await fn(endpoints.stubs[index])
             except grpc.RpcError as exc:
                 delay = endpoints.failed(exc, index, attempt)
+            except asyncio.CancelledError:
+                if _closed_under(endpoints):   # not this task's cancel: the client's close
+                    raise errors.Cancelled("the client was closed while this call ran",
+                                           grpc.StatusCode.CANCELLED) from None
+                raise
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -195,6 +206,7 @@ class Client(ClientBase):
                         method: str = "grad_cam", target: int | None = None,
                         model: str | None = None, **options: Any) -> Attribution:
         """One image's saliency map, as :meth:`hookserve.Client.attribute`."""
+        one_image_options("attribute", options)
         results = [a async for a in self.attribute_many(
             [image], layer, method, model=model, targets=[target],
             _deadline=deadline_of(self.timeout), **options)]
@@ -209,8 +221,10 @@ class Client(ClientBase):
         if getattr(run, "default_geometry", False) and self._geometries is None:
             await self.list_models()  # overlays need the model's default geometry
         endpoints = self._endpoints
-        for attempt in itertools.count():
+        attempt = 0   # failures since the last answer (Endpoints.stream)
+        while True:
             index = endpoints.pick()
+            answered = False
             queue: asyncio.Queue = asyncio.Queue()
             call = getattr(endpoints.stubs[index], run.rpc)(
                 timeout=run.time_left(), metadata=endpoints.metadata)
@@ -230,11 +244,26 @@ class Client(ClientBase):
                         msg = await call.read()
                         reply = None if msg is grpc.aio.EOF else msg
                     else:
+                        answered = True
                         yield arg
                 return
             except grpc.RpcError as exc:
+                attempt = 0 if answered else attempt
                 delay = endpoints.failed(exc, index, attempt, stream=True)
+                attempt += 1
+            except asyncio.CancelledError:
+                if _closed_under(endpoints):   # not this task's cancel: the client's close
+                    raise errors.Cancelled("the client was closed while this call ran",
+                                           grpc.StatusCode.CANCELLED) from None
+                raise
             finally:
                 sender.cancel()
                 call.cancel()
             await asyncio.sleep(delay)
+
+
+def _closed_under(endpoints: Any) -> bool:
+    """Whether grpc.aio cancelled a call because the client was closed under it (the
+    sync client's hookserve.Cancelled then), not because its task was cancelled."""
+    task = asyncio.current_task()
+    return endpoints.closed and task is not None and not task.cancelling()

@@ -75,6 +75,17 @@ def deadline_of(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
+def one_image_options(call: str, options: dict[str, Any]) -> None:
+    """Refuse a stream's own options given to a one-image call (they would be ignored:
+    the client's timeout bounds the call, and one image needs no window)."""
+    for name in ("timeout", "max_in_flight"):
+        if name in options:
+            raise TypeError(f"{call}() got an unexpected keyword argument {name!r}"
+                            + (" (the client's timeout bounds it: Client(timeout=...), or "
+                               f"{call}_many(..., timeout=...))" if name == "timeout"
+                               else f" ({call}_many takes it)"))
+
+
 def check_window(n: Any, what: str = "max_in_flight") -> int:
     """An in-flight window: a whole number of images, 1 or more."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -22,7 +22,13 @@ import numpy as np
 
 from . import errors
 from .attribution import AUTO_LAYER, Attribution
-from .base import ClientBase, deadline_of, health_request, health_status
+from .base import (
+    ClientBase,
+    deadline_of,
+    health_request,
+    health_status,
+    one_image_options,
+)
 from .extraction import Extraction
 from .retry import RETRYABLE
 from .types import (
@@ -129,6 +135,7 @@ class Client(ClientBase):
         `target` is the class to explain (default: the predicted one). `options` are
         those of :meth:`attribute_many`. The client's `timeout` bounds the call.
         """
+        one_image_options("attribute", options)
         (a,) = self.attribute_many([image], layer, method, model=model, targets=[target],
                                    _deadline=deadline_of(self.timeout), **options)
         return a.raise_for_error()

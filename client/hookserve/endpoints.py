@@ -214,15 +214,23 @@ class Endpoints:
         if found is not None and (self.send_limit is None or found[0] < self.send_limit):
             self.send_limit, self.send_limit_own = found
             return 0.0
-        if exc.code() not in RETRYABLE:
+        code = exc.code()
+        if code not in RETRYABLE:
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and len(self.addresses) > 1:
+                with self._lock:   # a hung server: the next calls go elsewhere a while
+                    self._down_until[index] = time.monotonic() + max(
+                        self.policy.backoff(attempt), 1.0)
             raise errors.from_rpc_error(exc) from None
-        retry = self.policy.again(attempt)
         delay = self.policy.backoff(attempt)
         with self._lock:
             now = time.monotonic()
             self._down_until[index] = now + max(delay, 1.0)
             others_up = any(t <= now for i, t in enumerate(self._down_until) if i != index)
-        if not retry:
+        # every address gets its try before the retries are spent (dead ones are skipped
+        # for a while, so the tries go to those not found down yet)
+        spare = self.policy.retries and others_up and attempt < (
+            self.policy.retries + len(self.addresses))
+        if not (self.policy.again(attempt) or spare):
             raise errors.from_rpc_error(exc) from None
         return 0.0 if others_up else delay
 
@@ -239,11 +247,19 @@ class Endpoints:
     def stream(self, fn: Callable[[pb_grpc.FeatureExtractorStub], Iterator[T]]
                ) -> Iterator[T]:
         """Yield from ``fn(stub)``; on UNAVAILABLE call it again on another address
-        (`fn` keeps whatever state it needs to resume where the last call stopped)."""
-        for attempt in itertools.count():
+        (`fn` keeps whatever state it needs to resume where the last call stopped).
+        The retries count the failures since the stream's last answer: a long stream
+        outlives any number of restarts, each followed by progress."""
+        attempt = 0
+        while True:
             index = self.pick()
+            answered = False
             try:
-                yield from fn(self.stubs[index])
+                for item in fn(self.stubs[index]):
+                    answered = True
+                    yield item
                 return
             except grpc.RpcError as exc:
+                attempt = 0 if answered else attempt
                 time.sleep(self.failed(exc, index, attempt, stream=True))
+                attempt += 1

@@ -96,7 +96,9 @@ def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
                 retry = int(value) / 1000.0
             except ValueError:
                 pass
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED and details in ("", "Deadline Exceeded"):
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and (
+            not details or details.endswith("Deadline Exceeded")
+            or details.endswith("(Deadline Exceeded)")):
         details = CLIENT_DEADLINE  # gRPC's own words: the client's deadline, not the server's
     found = _over_limit(code, details)
     if found is not None:

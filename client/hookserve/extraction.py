@@ -164,12 +164,12 @@ class Extraction:
             self.source = iter(self.images)
         try:
             obj = next(self.source)
+            return self.admit(obj)
         except StopIteration:
             return None
-        except Exception as exc:  # noqa: BLE001 - the caller's; raised after the results
-            self.source_error = exc
+        except Exception as exc:  # noqa: BLE001 - the caller's (its images, or ids that
+            self.source_error = exc   # ran out); raised after the answered results
             return None
-        return self.admit(obj)
 
     # -- the exchange, without I/O -----------------------------------------------------
     def steps(self) -> Step:

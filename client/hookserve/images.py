@@ -42,9 +42,13 @@ def to_image(obj: Any, image_id: str) -> pb.Image:
 
 
 def _pil_rgb(img: Any) -> np.ndarray:
-    """A PIL image as HxWx3 uint8 RGB. 16- and 32-bit integer images keep their high
+    """A PIL image as HxWx3 uint8 RGB, turned as its EXIF orientation says (as the
+    server turns the same file's bytes). 16- and 32-bit integer images keep their high
     byte, as the server reduces a 16-bit PNG (PIL's own convert clips them at 255);
     floating-point images have no one scale and are refused."""
+    from PIL import ImageOps
+
+    img = ImageOps.exif_transpose(img)
     if img.mode == "F":
         raise TypeError("a PIL image of mode F (floating point) has no one pixel scale: "
                         "convert it to 8-bit first, e.g. Image.fromarray((a * 255)"
@@ -58,12 +62,15 @@ def _pil_rgb(img: Any) -> np.ndarray:
 def _array_image(a: np.ndarray, image_id: str) -> pb.Image:
     if a.dtype != np.uint8:
         raise TypeError(f"array images must be uint8, got {a.dtype}: scale to 0..255 first")
+    if a.ndim == 3 and a.shape[2] == 1:   # one channel, as HxW
+        a = a[:, :, 0]
     if a.ndim == 2:
         a = np.repeat(a[:, :, None], 3, axis=2)
     elif a.ndim == 3 and a.shape[2] == 4:
         a = a[:, :, :3]
     if a.ndim != 3 or a.shape[2] != 3:
-        raise TypeError(f"array images must be HxWx3 (RGB), got shape {a.shape}")
+        raise TypeError(f"array images must be HxWx3 (RGB), HxWx4, HxWx1 or HxW (grey), "
+                        f"got shape {a.shape}")
     h, w = a.shape[:2]
     raw = pb.RawImage(pixels=np.ascontiguousarray(a).tobytes(), height=h, width=w)
     return pb.Image(id=image_id, raw=raw)

@@ -55,6 +55,10 @@ class ServerOptions:
     http_tls_files: tuple[str, str, str | None] | None = None
 
 
+#: The shortest interval between a client's keepalive pings on a call with no data.
+MIN_PING_INTERVAL_MS = 10_000
+
+
 class _TokenAuth(grpc.ServerInterceptor):
     """Requires `authorization: Bearer <token>` on every call but health checks."""
 
@@ -161,6 +165,10 @@ class HookServer:
                 # One OIP answer holds every output (no chunks): up to the answer limit.
                 ("grpc.max_send_message_length", oip_send_limit(opts, engine)),
                 ("grpc.so_reuseport", 0),
+                # Clients' keepalive pings on a stream that waits for its next image
+                # (the SDK's every 30 s) are welcome: gRPC's default (one per 5 min)
+                # ends such a stream with GOAWAY "too_many_pings".
+                ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
             ],
         )
         _add_servicer(self.servicer, self.grpc)
