@@ -146,7 +146,7 @@ class Client(ClientBase):
             except grpc.RpcError as exc:
                 delay = endpoints.failed(exc, index, attempt)
             except asyncio.CancelledError:
-                if _closed_under(endpoints):   # not this task's cancel: the client's close
+                if _closed_under(endpoints):   # the client's close, not an asyncio cancel
                     raise errors.Cancelled("the client was closed while this call ran",
                                            grpc.StatusCode.CANCELLED) from None
                 raise
@@ -252,7 +252,7 @@ class Client(ClientBase):
                 delay = endpoints.failed(exc, index, attempt, stream=True)
                 attempt += 1
             except asyncio.CancelledError:
-                if _closed_under(endpoints):   # not this task's cancel: the client's close
+                if _closed_under(endpoints):   # the client's close, not an asyncio cancel
                     raise errors.Cancelled("the client was closed while this call ran",
                                            grpc.StatusCode.CANCELLED) from None
                 raise
