@@ -119,7 +119,9 @@ def _connect_hint(details: str) -> str:
                 "root_certificates= in the SDK)")
     if details.rstrip().endswith("Socket closed"):
         return (" (if the server uses TLS, address it as grpcs://host:port, with --ca, "
-                "root_certificates= in the SDK, for a private CA)")
+                "root_certificates= in the SDK, for a private CA; if it asks for client "
+                "certificates, give one it trusts: --cert and --key, certificate_chain= "
+                "and private_key= in the SDK)")
     if "http1.x server" in details or "Failed parsing HTTP/2" in details:
         return (" (that port speaks HTTP/1, not gRPC: give the server's --port, not its "
                 "--http-port or --metrics-port)")

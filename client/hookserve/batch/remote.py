@@ -46,7 +46,8 @@ def file_url_spelled(spec: str) -> str:
     ``//``, ``/./`` and ``/../`` spell one folder); any other input as given."""
     if not spec.startswith("file://") or not spec[7:]:
         return spec
-    return "file://" + posixpath.normpath(spec[7:])
+    path = posixpath.normpath(spec[7:])
+    return "file://" + ("/" + path.lstrip("/") if path.startswith("/") else path)
 
 
 def expand_braces(spec: str) -> list[str]:

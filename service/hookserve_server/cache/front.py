@@ -106,7 +106,6 @@ class AnswerCache:
                           self.gpu_decode)
         return spec.job.cache_keys(state, image)
 
-
     # -- the seam ------------------------------------------------------------------------
     def submit(self, spec, image: ImageInput, call, fut: Future, compute: Compute,
                size: tuple[int, int], restarts: int = 0) -> None:

@@ -155,7 +155,8 @@ class SharedCache:
         #: writes delay no request: they may take longer
         self._redis_writes = connect(max(WRITE_TIMEOUT_S, timeout_s))
         self._down_until = 0.0
-        self._quiet_until = 0.0  # no failure is logged again before then
+        #: refused (or not) -> no failure of that kind is logged again before then
+        self._quiet_until: dict[bool, float] = {}
         #: lookups and writes that failed, were late, skipped or invalid (`error` events)
         self.errors = 0
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS,
@@ -180,8 +181,8 @@ class SharedCache:
             return
         refused = _refused(exc)
         now = time.monotonic()
-        if now >= self._quiet_until:
-            self._quiet_until = now + BACKOFF_S
+        if now >= self._quiet_until.get(refused, 0.0):
+            self._quiet_until[refused] = now + BACKOFF_S
             if refused:
                 log.warning("answer cache: Redis refused a %s (%s); that value is not "
                             "stored, lookups go on (a Redis at its maxmemory needs an "
