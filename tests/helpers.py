@@ -102,7 +102,7 @@ class ServeProcess:
     """`hookserve serve` as a real process; its stderr JSON log is pumped to a queue."""
 
     def __init__(self, *flags: str, env: dict[str, str | None] | None = None) -> None:
-        cmd = [sys.executable, "-m", "hookserve.cli", "serve", "--device", "cpu",
+        cmd = [sys.executable, "-m", "hookserve", "serve", "--device", "cpu",
                "--host", "127.0.0.1", "--port", "0", *flags]
         base = dict(os.environ, PYTHONUNBUFFERED="1")
         for k, v in (env or {}).items():  # None removes a variable

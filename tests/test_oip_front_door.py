@@ -197,6 +197,7 @@ def test_a_compressed_request_body_is_read(h, algorithm):
     ("deflate", zlib.compress(b" " * (LIMIT + 1)), 429, f"expands to over {LIMIT} bytes"),
     ("gzip", gzip.compress(b'{"inputs": []}') + b"garbage", 400, "is not the gzip data"),
     ("gzip", gzip.compress(b" " * LIMIT) + gzip.compress(b" "), 429, "expands to over"),
+    ("gzip", gzip.compress(b"", mtime=0) * 65, 400, "the gzip body has over 64 members"),
 ])
 def test_a_compressed_body_that_cannot_be_read_is_refused(srv, encoding, data, status, words):
     got, body = post(srv, "/v2/models/r18.v2/infer", data, {"Content-Encoding": encoding})

@@ -40,7 +40,9 @@ def __getattr__(name: str):
     if home is None:
         try:
             return importlib.import_module(f".{name}", __name__)   # hookserve.aio, ...
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":   # a module it needs is missing
+                raise
             raise AttributeError(f"module 'hookserve' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(f".{home}", __name__), name)
     globals()[name] = value

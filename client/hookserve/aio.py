@@ -266,5 +266,5 @@ def _closed_under(endpoints: Any) -> bool:
     """Whether grpc.aio cancelled a call because the client was closed under it (the
     sync client's hookserve.Cancelled then), not because its task was cancelled."""
     task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)   # (Python 3.11 on)
-    return endpoints.closed and task is not None and not (cancelling and cancelling())
+    cancelling = getattr(task, "cancelling", None)   # (Python 3.11 on; before, a task's
+    return bool(endpoints.closed and cancelling is not None and not cancelling())  # own)

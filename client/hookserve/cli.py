@@ -7,12 +7,7 @@ import contextlib
 import os
 import sys
 
-# gRPC's own log lines below ERROR (a peer's failed TLS handshake, ...) are not the
-# command's to print (and not in its log format): off unless the environment sets a
-# level. gRPC reads this once, when it loads: so before the imports below.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-
-from .cli_args import (  # noqa: E402
+from .cli_args import (
     STREAM_TIMEOUT,
     add_connection_args,
     add_preprocessing_args,

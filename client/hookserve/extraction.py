@@ -57,6 +57,8 @@ class _Pending:
     error: errors.HookserveError | None = None
     #: Per-image request data a subclass sends with the image (Attribute: its target).
     extra: Any = None
+    #: calls that ended before its answer, after which it was sent again
+    resent: int = 0
 
 
 class Extraction:
@@ -177,8 +179,15 @@ class Extraction:
         answers in order. Yields ``(op, arg)``; see :data:`PULL` and the others."""
         yield SEND, self._spec_request()
         sent = 0
+        most = max(2, self.endpoints.policy.retries)
         for p in self.pending:  # re-send what the last stream left unanswered
             self._hold_if_too_large(p)
+            p.resent += p.image is not None
+            if p.image is not None and p.resent > most:   # (an image a server fails on
+                p.error = errors.Unavailable(             # each time: not sent again)
+                    f"image {p.id!r}: {p.resent} calls ended before its answer; it is not "
+                    "sent again (does it make the server fail? try it alone)")
+                p.image = None
             if p.image is not None:
                 yield SEND, p.image
                 sent += 1

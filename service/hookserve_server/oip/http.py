@@ -350,6 +350,9 @@ class OipHttp:
 
 #: The Content-Encodings a request body may have (besides none).
 INFLATE = ("gzip", "deflate")
+#: The most members a gzip body may hold, and the slice it is fed to zlib in.
+MAX_MEMBERS = 64
+INFLATE_SLICE = 1 << 16
 
 
 def _encoding(request) -> str:
@@ -360,24 +363,31 @@ def _encoding(request) -> str:
 
 def inflate(body: bytes | bytearray, encoding: str, limit: int) -> bytes:
     """A gzip or deflate (zlib) body as sent before compression (tritonclient's
-    request_compression_algorithm), every member of it, held to `limit` bytes as it
-    expands; bytes after the last member are refused."""
+    request_compression_algorithm), every member of it (at most MAX_MEMBERS), held to
+    `limit` bytes as it expands; bytes after the last member are refused. The body is
+    fed in slices, so the time is linear in its size, however many members it holds."""
     if encoding not in INFLATE:
         raise InvalidArgument(f"Content-Encoding {encoding[:40]} is not one this server "
                               "reads: send the body as it is, or gzip or deflate")
-    out, rest = bytearray(), bytes(body)
-    while rest:
+    view, pos, out, members = memoryview(body), 0, bytearray(), 0
+    while pos < len(view):
+        members += 1
+        if members > MAX_MEMBERS:
+            raise InvalidArgument(f"the {encoding} body has over {MAX_MEMBERS} members: "
+                                  "compress it as one")
         inflater = zlib.decompressobj(47)   # a zlib or gzip header, read from the data
-        try:
-            out += inflater.decompress(rest, limit + 1 - len(out))
-        except zlib.error as exc:
-            raise InvalidArgument(f"the body is not the {encoding} data its "
-                                  f"Content-Encoding says ({exc})") from None
-        if len(out) > limit or inflater.unconsumed_tail:
-            raise ResourceExhausted(
-                f"the request body expands to over {limit} bytes, this server's limit "
-                "(--max-message-bytes): send fewer or smaller images per request")
+        while not inflater.eof and pos < len(view):
+            piece = view[pos:pos + INFLATE_SLICE]
+            try:
+                out += inflater.decompress(piece, limit + 1 - len(out))
+            except zlib.error as exc:
+                raise InvalidArgument(f"the body is not the {encoding} data its "
+                                      f"Content-Encoding says ({exc})") from None
+            if len(out) > limit:   # (the output bound reached: more was left to expand)
+                raise ResourceExhausted(
+                    f"the request body expands to over {limit} bytes, this server's "
+                    "limit (--max-message-bytes): send fewer or smaller images per request")
+            pos += len(piece) - len(inflater.unused_data)
         if not inflater.eof:
             raise InvalidArgument(f"the {encoding} body is cut short: send all of it")
-        rest = inflater.unused_data
     return bytes(out)

@@ -221,7 +221,8 @@ class OipServicer:
         open stream does not hold the drain for its grace period."""
         cancel = CallCancel()
         context.add_callback(cancel)
-        with self.servicer.streams.work_slot("ModelStreamInfer"):
+        with self.inference.parsing("ModelStreamInfer", context), \
+                self.servicer.streams.work_slot("ModelStreamInfer"):
             for n, raw in enumerate(_requests(request_iterator)):
                 request = None
                 try:
