@@ -143,6 +143,10 @@ def test_a_pil_image_is_turned_by_its_exif_orientation(server, tmp_path):
         from_file = c.extract(str(path), ["fc"])["fc"]
         with Image.open(path) as opened:
             from_pil = c.extract(opened, ["fc"])["fc"]
+        damaged = Image.fromarray(rand_image(30, 30, seed=5))
+        plain = c.extract(damaged, ["fc"])["fc"]
+        damaged.info["exif"] = b"not a TIFF block"   # unreadable EXIF: the pixels as they are
+        np.testing.assert_array_equal(c.extract(damaged, ["fc"])["fc"], plain)
         grey = rand_image(30, 30, seed=4)[:, :, :1]
         np.testing.assert_array_equal(c.extract(grey, ["fc"])["fc"],
                                       c.extract(grey[:, :, 0], ["fc"])["fc"])

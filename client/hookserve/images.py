@@ -46,9 +46,7 @@ def _pil_rgb(img: Any) -> np.ndarray:
     server turns the same file's bytes). 16- and 32-bit integer images keep their high
     byte, as the server reduces a 16-bit PNG (PIL's own convert clips them at 255);
     floating-point images have no one scale and are refused."""
-    from PIL import ImageOps
-
-    img = ImageOps.exif_transpose(img)
+    img = _upright(img)
     if img.mode == "F":
         raise TypeError("a PIL image of mode F (floating point) has no one pixel scale: "
                         "convert it to 8-bit first, e.g. Image.fromarray((a * 255)"
@@ -57,6 +55,20 @@ def _pil_rgb(img: Any) -> np.ndarray:
         a = (np.clip(np.asarray(img).astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
         return np.repeat(a[:, :, None], 3, axis=2)
     return np.asarray(img.convert("RGB"))
+
+
+def _upright(img: Any) -> Any:
+    """`img` turned as its EXIF orientation says: itself when it says none (no copy), or
+    when its EXIF cannot be read (as the server reads such a file's pixels)."""
+    try:
+        orientation = img.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a damaged EXIF block: the pixels as they are
+        return img
+    if orientation in (None, 1):
+        return img
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(img)
 
 
 def _array_image(a: np.ndarray, image_id: str) -> pb.Image:
