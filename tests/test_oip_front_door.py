@@ -271,3 +271,18 @@ def test_rest_messages_show_values_as_json_writes_them(srv, params, words):
     status, body = post(srv, "/v2/models/r18.v2/infer", {"inputs": [good], "outputs": [
         {"name": "fc", "parameters": {"classification": True}}]})
     assert status == 400 and "classification=true: use an integer" in body["error"], body
+
+
+def test_a_stream_waiting_for_its_next_request_is_ended_at_drain(make_server):
+    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
+                    "--max-batch-delay-ms", "2")
+    c = grpcclient.InferenceServerClient(s.address)
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    c.start_stream(callback=lambda result, error: answers.put((result, error)))
+    c.async_stream_infer("resnet18", [image(grpcclient)], request_id="only")
+    result, error = answers.get(timeout=120)
+    assert error is None and result.get_response().id == "only"
+    s.server.start_drain()   # the stream sends nothing more, and never closes
+    assert s.server.stream_caps.wait_idle(60), "an idle stream held the drain"
+    c.stop_stream()
+    c.close()

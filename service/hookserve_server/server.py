@@ -240,6 +240,12 @@ class HookServer:
         """listen() then ready(): SERVING only after the models are warmed up."""
         return self.listen().ready(warmup=warmup)
 
+    def start_drain(self) -> None:
+        """Take no new work: open calls finish what they have; streams waiting for
+        their next request end."""
+        self.stream_caps.start_drain(self.engine.start_drain)
+        self.oip.end_idle_streams()
+
     def stop(self, grace: float = 30.0) -> None:
         """Drain: NOT_SERVING, refuse new calls, finish in-flight images, then stop.
 
@@ -249,7 +255,7 @@ class HookServer:
             return
         end = time.monotonic() + grace
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.stream_caps.start_drain(self.engine.start_drain)
+        self.start_drain()
         idle = self.stream_caps.wait_idle(max(0.0, end - time.monotonic()))
         if not idle:
             log.warning("grace period over with streams still open: cancelling them")

@@ -11,6 +11,7 @@ hookserve's own service (server.py says why).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -131,6 +132,23 @@ class OipServicer:
         self.engine = inference.engine
         self.servicer = servicer
         self._ready = ready
+        #: the open ModelStreamInfer calls' contexts -> whether each waits for its next
+        #: request (idle: ended at drain, `end_idle_streams`)
+        self._streams: dict = {}
+        self._streams_lock = threading.Lock()
+
+    def end_idle_streams(self) -> None:
+        """(At drain) end each ModelStreamInfer stream that waits for its next request:
+        it would hold the drain until its client closed it or the grace period ended.
+        A stream answering a request ends once it has answered it."""
+        with self._streams_lock:
+            idle = [ctx for ctx, waiting in self._streams.items() if waiting]
+        for ctx in idle:
+            ctx.cancel()
+
+    def _waiting(self, context, waiting: bool) -> None:
+        with self._streams_lock:
+            self._streams[context] = waiting
 
     def _parse(self, cls, request):
         return wire.parse(cls, request)
@@ -217,43 +235,53 @@ class OipServicer:
         """Each request answered in turn; a failed request's answer is its
         error_message and the stream goes on. Once the server drains, the request
         running is answered and the stream ends (a last UNAVAILABLE says so), or the
-        next request read is refused (UNAVAILABLE, with its id) and the stream ends: an
-        open stream does not hold the drain for its grace period."""
+        next request read is refused (UNAVAILABLE, with its id) and the stream ends, and
+        a stream waiting for its next request is ended (`end_idle_streams`): no open
+        stream holds the drain for its grace period."""
         cancel = CallCancel()
         context.add_callback(cancel)
         with self.inference.parsing("ModelStreamInfer", context), \
                 self.servicer.streams.work_slot("ModelStreamInfer"):
-            for n, raw in enumerate(_requests(request_iterator)):
-                request = None
-                try:
-                    with self.inference.parsing("ModelStreamInfer", context):
-                        request = wire.parse(pb.ModelInferRequest, raw,
-                                             f"request message {n}")
-                        call = to_call(request)
-                        if self.engine.draining:
-                            raise Unavailable("server is shutting down: send this request "
-                                              "and the rest to another replica")
-                    answer = self.inference.infer(call, "ModelStreamInfer", context,
-                                                  cancel.set, _deadline(context), slot=False)
-                    yield pb.ModelStreamInferResponse(infer_response=to_response(answer))
-                except Exception as exc:  # noqa: BLE001 - one request fails, not the stream
-                    if not isinstance(exc, HookserveError):
-                        log.exception("ModelStreamInfer: request %d failed", n)
-                        exc = InternalError("internal error while answering this request; the "
-                                       "server log has the details")
-                    # The request's id and model go with its error, as Triton does, so a
-                    # client with several requests in flight knows which one failed.
-                    yield pb.ModelStreamInferResponse(
-                        error_message=short_message(f"[{exc.code}] {exc.message}"),
-                        infer_response=pb.ModelInferResponse(
-                            id=request.id[:200], model_name=request.model_name[:200],
-                            model_version=request.model_version[:20])
-                        if request is not None else None)
-                    if isinstance(exc, Unavailable) and self.engine.draining:
-                        return
-                if self.engine.draining:   # answered what was running: end here
-                    yield _DRAINING
+            try:
+                yield from self._answer_each(request_iterator, context, cancel)
+            finally:
+                with self._streams_lock:
+                    self._streams.pop(context, None)
+
+    def _answer_each(self, request_iterator, context, cancel: CallCancel) -> Iterator:
+        self._waiting(context, True)
+        for n, raw in enumerate(_requests(request_iterator)):
+            self._waiting(context, False)
+            request = None
+            try:
+                with self.inference.parsing("ModelStreamInfer", context):
+                    request = wire.parse(pb.ModelInferRequest, raw, f"request message {n}")
+                    call = to_call(request)
+                    if self.engine.draining:
+                        raise Unavailable("server is shutting down: send this request "
+                                          "and the rest to another replica")
+                answer = self.inference.infer(call, "ModelStreamInfer", context, cancel.set,
+                                              _deadline(context), slot=False)
+                yield pb.ModelStreamInferResponse(infer_response=to_response(answer))
+            except Exception as exc:  # noqa: BLE001 - one request fails, not the stream
+                if not isinstance(exc, HookserveError):
+                    log.exception("ModelStreamInfer: request %d failed", n)
+                    exc = InternalError("internal error while answering this request; the "
+                                        "server log has the details")
+                # The request's id and model go with its error, as Triton does, so a
+                # client with several requests in flight knows which one failed.
+                yield pb.ModelStreamInferResponse(
+                    error_message=short_message(f"[{exc.code}] {exc.message}"),
+                    infer_response=pb.ModelInferResponse(
+                        id=request.id[:200], model_name=request.model_name[:200],
+                        model_version=request.model_version[:20])
+                    if request is not None else None)
+                if isinstance(exc, Unavailable) and self.engine.draining:
                     return
+            self._waiting(context, True)   # (before the check: a drain from now on ends it)
+            if self.engine.draining:   # answered what was running: end here
+                yield _DRAINING
+                return
 
 
 _DRAINING = pb.ModelStreamInferResponse(
