@@ -74,6 +74,8 @@ def test_a_classification_is_held_to_the_limit_before_its_names_are_made(srv):
      "sg_seed=18446744073709551616: use 0 to 2^64-1"),
     ("resnet18.smooth_grad", {"sg_samples": 2, "sg_seed": -1}, 400, "use 0 to 2^64-1"),
     ("resnet18.smooth_grad", {"sg_sigma": True}, 400, "sg_sigma=true: use a number"),
+    ("resnet18.smooth_grad", {"sg_sigma": 1e39}, 400, "sg_sigma=1e+39: use 0 to 1000"),
+    ("resnet18.gradient", {"upsample": True}, 400, "upsample is for the CAM methods' maps"),
 ])
 def test_parameters_out_of_range_are_named(srv, model, params, status, words):
     got, answer = infer(srv, {"inputs": [GOOD], "parameters": params}, model=model)

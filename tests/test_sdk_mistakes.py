@@ -119,6 +119,24 @@ def test_options_of_another_attribution_method_are_refused(server, tmp_path, opt
         r.stderr
 
 
+@pytest.mark.parametrize("options, words", [
+    ({"method": "smooth_grad", "sigma": 1e38}, "sigma is a fraction of the input's range"),
+    ({"method": "smooth_grad", "sigma": 1e-50}, "sigma is a fraction of the input's range"),
+    ({"method": "grad_cam", "top_k": 2**33}, "top_k must be a whole number from 0 to"),
+    ({"method": "integrated_gradients", "steps": 2**32 + 1}, "steps must be a whole number"),
+    ({"method": "smooth_grad", "seed": 2**64}, "seed must be a whole number from 0 to"),
+    ({"method": "grad_cam", "relu": "no"}, "relu is True or False"),
+    ({"method": "grad_cam", "normalize": "no"}, "normalize is True or False"),
+    ({"method": "gradient", "upsample": True}, "upsample is for the CAM methods' maps"),
+])
+def test_attribute_options_out_of_their_range_are_named(server, options, words):
+    """Each was sent as given: a sigma that overflowed answered a map made of NaN
+    forwards, a tiny one became the default, 'no' was taken as true, and integers out
+    of range failed with protobuf's 'Value out of range' naming no option."""
+    with server.client() as c, pytest.raises(ValueError, match=words):
+        c.attribute(SMALL, **options)
+
+
 def test_max_in_flight_is_a_whole_number_of_images(server):
     for bad in (0, -1, 1.5, "8"):
         with pytest.raises(ValueError, match="max_in_flight must be a whole number"):

@@ -161,6 +161,11 @@ def resolve_layer(layer: str | None, method: str) -> str | None:
     return layer
 
 
+#: SmoothGrad's noise, a fraction of the input's range, as the server takes it (a float32
+#: on the wire: smaller values would round to 0, the default).
+MIN_SG_SIGMA, MAX_SG_SIGMA = 1e-6, 1000.0
+
+
 def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
                            score: str = "logit", top_k: int = 0, relu: bool | None = None,
                            normalize: bool = False, upsample: bool = False,
@@ -174,10 +179,24 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
                                ("baseline", baseline, BASELINES)):
         if value not in table:
             raise ValueError(f"{what} must be one of {', '.join(table)}, got {value!r}")
-    for what, value in (("top_k", top_k), ("steps", steps), ("samples", samples),
-                        ("seed", seed)):
-        if int(value) < 0:
-            raise ValueError(f"{what} must be >= 0, got {value}")
+    for what, value, top in (("top_k", top_k, 2**32 - 1), ("steps", steps, 2**32 - 1),
+                             ("samples", samples, 2**32 - 1), ("seed", seed, 2**64 - 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                or not 0 <= value <= top:
+            raise ValueError(f"{what} must be a whole number from 0 to {top}, got {value!r}")
+    for what, value, none in (("relu", relu, True), ("normalize", normalize, False),
+                              ("upsample", upsample, False)):
+        if not (isinstance(value, (bool, np.bool_)) or (none and value is None)):
+            raise ValueError(f"{what} is True or False"
+                             + (" (None: the method's default)" if none else "")
+                             + f", got {value!r}")
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) \
+            or not (sigma == 0 or MIN_SG_SIGMA <= sigma <= MAX_SG_SIGMA):
+        raise ValueError(f"sigma is a fraction of the input's range, {MIN_SG_SIGMA:g} to "
+                         f"{MAX_SG_SIGMA:g} (0: the default, 0.15), got {sigma!r}")
+    if upsample and method not in CAM_METHODS:
+        raise ValueError(f"upsample is for the CAM methods' maps ({', '.join(CAM_METHODS)}): "
+                         f"{method}'s map has the input's size already: drop it")
     # options of another method would be ignored: say so
     for what, given, owner in (("steps", steps, "integrated_gradients"),
                                ("baseline", baseline != "zeros", "integrated_gradients"),

@@ -118,6 +118,9 @@ def _check(args) -> str | None:
         if given and args.method != owner:
             return (f"{flag} is an option of --method {owner}, not of {args.method}: drop "
                     f"it, or add --method {owner}")
+    if args.upsample and args.method not in CAM_METHODS:
+        return (f"--upsample is for the CAM methods' maps ({', '.join(CAM_METHODS)}): "
+                f"--method {args.method}'s map has the input's size already: drop it")
     if args.layer and args.method not in CAM_METHODS:
         return (f"--method {args.method} explains the input and takes no --layer: drop "
                 f"--layer {args.layer}, or use a CAM method ({', '.join(CAM_METHODS)})")

@@ -18,6 +18,9 @@ from .spec import ImageInput, Labelled, LayerOutput, Preprocess
 DEFAULT_IG_STEPS = 32
 DEFAULT_SG_SAMPLES = 16
 DEFAULT_SG_SIGMA = 0.15
+#: SmoothGrad's largest noise, in units of the input's range (more only overflows:
+#: every noisy copy would be infinite).
+MAX_SG_SIGMA = 1000.0
 
 
 class Method(Labelled):

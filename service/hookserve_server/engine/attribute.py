@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attribution_spec import (
+    MAX_SG_SIGMA,
     METHODS,
     AttributeInput,
     AttributionOutput,
@@ -156,9 +157,13 @@ def resolve_attribution(limits: Limits, config: EngineConfig, m: ServedModel,
     if method is Method.INTEGRATED_GRADIENTS and spec.ig_steps < 1:
         raise InvalidArgument("steps must be at least 1 (0 means the default, 32)")
     if method is Method.SMOOTH_GRAD and (spec.sg_samples < 1 or not math.isfinite(spec.sg_sigma)
-                                         or spec.sg_sigma < 0):
-        raise InvalidArgument("samples must be at least 1 and sigma a finite "
-                              f"number >= 0 (got {spec.sg_samples}, {spec.sg_sigma})")
+                                         or not 0 <= spec.sg_sigma <= MAX_SG_SIGMA):
+        raise InvalidArgument(f"samples must be at least 1 and sigma, a fraction of the "
+                              f"input's range, 0 to {MAX_SG_SIGMA:g} (got {spec.sg_samples}, "
+                              f"{spec.sg_sigma:g})")
+    if spec.upsample and not method.is_cam:
+        raise InvalidArgument(f"upsample is for the CAM methods' maps ({_cam_methods()}): "
+                              f"{method.label}'s map has the input's size already: drop it")
     max_cost = config.max_attribution_cost
     if spec.cost > max_cost:
         raise InvalidArgument(

@@ -19,6 +19,7 @@ from ..attribution_spec import (
     DEFAULT_IG_STEPS,
     DEFAULT_SG_SAMPLES,
     DEFAULT_SG_SIGMA,
+    MAX_SG_SIGMA,
     AttributeInput,
     AttributionSpec,
     Baseline,
@@ -89,9 +90,10 @@ def spec_of(call: rq.InferCall, model: str, method: Method) -> AttributionSpec:
         raise InvalidArgument(f"request parameter sg_seed={str(num['sg_seed'])[:40]}: use "
                               "0 to 2^64-1")
     sigma = _float(p.get("sg_sigma", DEFAULT_SG_SIGMA), "sg_sigma")
-    if not sigma >= 0 or sigma == float("inf"):
-        raise InvalidArgument(f"request parameter sg_sigma={p['sg_sigma']!r}: use a number "
-                              ">= 0 (0, or leave it out, for the default)"[:300])
+    if not 0 <= sigma <= MAX_SG_SIGMA:
+        raise InvalidArgument(f"request parameter sg_sigma={rq.shown(p['sg_sigma'])}: use "
+                              f"0 to {MAX_SG_SIGMA:g}, a fraction of the input's range (0, or "
+                              "leave it out, for the default)")
     flags = {k: rq._bool(p[k], k) for k in ("relu", "normalize", "upsample") if k in p}
     return AttributionSpec(
         model=model, method=method, layer=str(p.get("layer", "")),
