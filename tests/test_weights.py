@@ -102,7 +102,8 @@ SAVE_HINT = r"torch\.save\(model\.state_dict\(\), PATH\)"
     ("legacy-module", "holds a pickled torchvision.models.resnet.ResNet \\(a whole model"),
     ("module", "holds a pickled torchvision.models.resnet.ResNet \\(a whole model, saved "
                f"with torch.save\\(model\\)\\), not a state_dict.*{SAVE_HINT}"),
-    ("checkpoint", f"holds a dict with keys 'epoch', 'net', not a state_dict.*{SAVE_HINT}"),
+    ("checkpoint", "holds a dict whose 'net' holds the weights .with other entries.: save "
+                   f"that dict alone, not a state_dict.*{SAVE_HINT}"),
     ("empty", f"holds an empty dict, not a state_dict.*{SAVE_HINT}"),
     ("torchscript", "is a TorchScript archive \\(torch.jit.save: a program\\), not a "
                     f"state_dict: .*{SAVE_HINT}"),

@@ -65,6 +65,18 @@ def _allow_safe_globals() -> None:
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
 
 
+def _looks_safetensors(path: Path) -> bool:
+    """Whether a file starts as safetensors do (an 8-byte header length, then a JSON
+    object), whatever its name."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:9] == b"{" and \
+        0 < int.from_bytes(head[:8], "little") < path.stat().st_size
+
+
 def _load_error(path: Path, exc: Exception) -> str:
     """torch.load's refusal as one line that says what to do. torch's own message is
     many lines (with terminal colour codes) and suggests loading with weights_only=False,
@@ -138,12 +150,27 @@ def normalise(obj: object, path: Path, keys: Collection[str] = ()
         # a torch.compile'd submodule (model.features = torch.compile(model.features))
         obj = type(obj)((k.replace("._orig_mod.", "."), v) for k, v in obj.items())
     if not _is_tensor_dict(obj):
-        held = ("an empty dict" if obj == {} else
-                f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"
-                if isinstance(obj, dict) else f"a {type(obj).__name__}")
-        raise ConfigError(f"weights file {path} holds {held}, not a state_dict (a dict of "
-                          f"tensors); {SAVE_HINT}")
+        raise ConfigError(f"weights file {path} holds {_held(obj)}, not a state_dict (a dict "
+                          f"of tensors); {SAVE_HINT}")
     return under_prefix(obj, frozenset(keys), path) if keys else obj
+
+
+def _held(obj) -> str:
+    """What a weights file held instead of a state_dict, naming what to change: the
+    key that holds the tensors, or the entry that is no tensor."""
+    if not isinstance(obj, dict):
+        return f"a {type(obj).__name__}"
+    if not obj:
+        return "an empty dict"
+    inner = [k for k, v in obj.items() if isinstance(v, dict) and v
+             and sum(isinstance(t, torch.Tensor) for t in v.values()) > len(v) // 2]
+    if inner:
+        return (f"a dict whose {inner[0]!r} holds the weights (with other entries): save "
+                f"that dict alone")
+    odd = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)]
+    if odd and len(odd) < len(obj):
+        return f"a dict of tensors with {odd[0]!r}, which is no tensor: drop it"
+    return f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"
 
 
 def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path
@@ -184,7 +211,7 @@ def read_state_dict(path: Path, arch: str, keys: Collection[str] = ()
     `keys`); ConfigError in one line."""
     if not path.is_file():
         raise ConfigError(f"weights file {path} does not exist (for model {arch})")
-    if path.suffix == SAFETENSORS_SUFFIX:
+    if path.suffix.lower() == SAFETENSORS_SUFFIX or _looks_safetensors(path):
         return normalise(_read_safetensors(path), path, keys)
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours

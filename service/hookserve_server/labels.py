@@ -78,8 +78,16 @@ def read_labels(path: Path) -> tuple[str, ...]:
         if len(lines) > head and all(m and int(m.group(1)) == i and m.group(2)
                                      for i, m in enumerate(found)) and \
                 (not head or "," in lines[0] or "\t" in lines[0]):
-            return tuple(m.group(2).strip() for m in found if m)
+            return tuple(_unquoted(m.group(2).strip()) for m in found if m)
     return tuple(lines)
+
+
+def _unquoted(name: str) -> str:
+    """A CSV field as a CSV export writes it, read back: ``"tench, Tinca tinca"`` is
+    tench, Tinca tinca (quotes doubled inside: one)."""
+    if len(name) >= 2 and name[0] == name[-1] == '"':
+        return name[1:-1].replace('""', '"')
+    return name
 
 
 def _json_labels(path: Path, data: list | dict) -> tuple[str, ...]:

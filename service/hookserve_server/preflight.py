@@ -152,6 +152,14 @@ def preflight(args: argparse.Namespace) -> Checked:
         raise ConfigError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.models:   # the file says it all: a flag beside it would be dropped unseen
+        given = [flag for flag, value, default in (
+            ("--model", args.model, ["resnet50"]), ("--weights", args.weights, ["auto"]),
+            ("--labels", args.labels, None)) if value and value != default]
+        if given:
+            raise ConfigError(f"--models {args.models} declares every model, with its "
+                              f"weights and labels: drop {' and '.join(given)} (or give "
+                              "them in the file)")
     entries = (read_model_file(Path(args.models).expanduser()) if args.models
                else models_from_flags(args))
     checked = Checked(
