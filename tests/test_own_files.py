@@ -75,3 +75,15 @@ def test_models_beside_the_flags_it_replaces_is_refused(tmp_path, flags, named):
     with pytest.raises(ConfigError, match=f"declares every model, with its weights and "
                                           f"labels: drop {named}"):
         RunningServer(["--models", str(tmp_path / "m.toml"), *flags], start=False)
+
+
+def test_models_takes_the_place_of_the_environments_model_and_weights(tmp_path,
+                                                                      monkeypatch):
+    """The container image sets HOOKSERVE_MODEL and HOOKSERVE_WEIGHTS: a --models file
+    given to it serves the file's models."""
+    (tmp_path / "m.toml").write_text('[[model]]\nname = "mine"\narchitecture = "resnet18"\n'
+                                     'weights = "random"\n')
+    monkeypatch.setenv("HOOKSERVE_MODEL", "resnet50")
+    monkeypatch.setenv("HOOKSERVE_WEIGHTS", "imagenet")
+    s = RunningServer(["--models", str(tmp_path / "m.toml")], start=False)
+    assert list(s.engine.models) == ["mine"]

@@ -93,7 +93,7 @@ def byte_size(value: str) -> int:
             "(KiB, MiB, GiB: 512MiB, 2G)") from None
 
 
-def _env(flag: str) -> str:
+def env_name(flag: str) -> str:   # (a flag's HOOKSERVE_* variable)
     return "HOOKSERVE_" + flag.lstrip("-").upper().replace("-", "_")
 
 
@@ -170,7 +170,7 @@ def _add(p: argparse.ArgumentParser, flag: str, *, default=None, type=str, help:
     """One flag with its HOOKSERVE_* variable. The help ends with the default, unless
     it is None (the help text then says what unset means), and the variable's name;
     `shown` replaces the default's display (e.g. one computed on this machine)."""
-    env = _env(flag)
+    env = env_name(flag)
     raw = os.environ.get(env)
     value = default if raw is None else _FromEnv(raw, env)
     if repeat and raw is not None:  # a comma-separated list
