@@ -11,11 +11,10 @@ refused before its work began, or ran out of time:
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 
 import grpc
 import pytest
+from test_oip_bad_requests import post
 
 import hookserve
 from hookserve.v1 import hookserve_pb2 as pb
@@ -56,13 +55,8 @@ def test_oip_requests_refused_while_read_are_counted(make_server):
         with pytest.raises(grpc.RpcError) as err:
             infer(b"\xff\xff not a message", timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    conn = http.client.HTTPConnection("127.0.0.1", s.server.http.port, timeout=60)
-    for body in (b"not json", json.dumps({"inputs": [{"name": "IMAGE"}]}).encode()):
-        conn.request("POST", "/v2/models/resnet18/infer", body)
-        r = conn.getresponse()
-        r.read()
-        assert r.status == 400
-    conn.close()
+    for body in (b"not json", {"inputs": [{"name": "IMAGE"}]}):
+        assert post(s, "/v2/models/resnet18/infer", body)[0] == 400
     wait_until(lambda: calls(s, "ModelInfer", "INVALID_ARGUMENT") == 1, 30, "ModelInfer")
     wait_until(lambda: calls(s, "HTTPInfer", "INVALID_ARGUMENT") == 2, 30, "HTTPInfer")
 
@@ -77,14 +71,9 @@ def test_calls_refused_for_their_token_are_counted(make_server, tmp_path):
     with hookserve.Client(s.address, timeout=60, retries=0, token="wrong") as c, \
             pytest.raises(hookserve.errors.Unauthenticated):
         c.extract(encode(rand_image(32, 32, seed=1)), ["fc"])
-    conn = http.client.HTTPConnection("127.0.0.1", s.server.http.port, timeout=60)
     body = {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
                         "data": [{"b64": base64.b64encode(b"x").decode()}]}]}
-    conn.request("POST", "/v2/models/resnet18/infer", json.dumps(body))
-    r = conn.getresponse()
-    r.read()
-    assert r.status == 401
-    conn.close()
+    assert post(s, "/v2/models/resnet18/infer", body)[0] == 401
     wait_until(lambda: calls(s, "ListModels", "UNAUTHENTICATED") == 1, 30, "ListModels")
     wait_until(lambda: calls(s, "ExtractImage", "UNAUTHENTICATED") == 1, 30, "ExtractImage")
     wait_until(lambda: calls(s, "HTTPInfer", "UNAUTHENTICATED") == 1, 30, "HTTPInfer")

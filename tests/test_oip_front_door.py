@@ -47,6 +47,10 @@ weights = "random"
 dtype = "bfloat16"
 """
 IMG = encode(rand_image(40, 48, seed=7))
+#: the image as a REST input, and a REST body of it alone
+GOOD = {"name": "IMAGE", "datatype": "BYTES", "shape": [1],
+        "data": [{"b64": base64.b64encode(IMG).decode()}]}
+ONE = {"inputs": [GOOD]}
 LIMIT = 1_000_000
 
 
@@ -173,11 +177,9 @@ def test_typed_contents_beside_raw_ones_and_an_input_twice_are_refused(srv, g):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "input 'TARGET' has typed contents beside raw_input_contents" \
             in err.value.details()
-    good = {"name": "IMAGE", "datatype": "BYTES", "shape": [1],
-            "data": [{"b64": base64.b64encode(IMG).decode()}]}
     target = {"name": "TARGET", "datatype": "INT64", "shape": [1], "data": [3]}
     status, body = post(srv, "/v2/models/r18.v2.grad_cam/infer",
-                        {"inputs": [good, target, {**target, "data": [5]}]})
+                        {"inputs": [GOOD, target, {**target, "data": [5]}]})
     assert status == 400 and "input 'TARGET' is given twice" in body["error"]
 
 
@@ -202,15 +204,12 @@ def test_a_compressed_request_body_is_read(h, algorithm):
 def test_a_compressed_body_that_cannot_be_read_is_refused(srv, encoding, data, status, words):
     got, body = post(srv, "/v2/models/r18.v2/infer", data, {"Content-Encoding": encoding})
     assert got == status and words in body["error"], body
-    good = {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
-                        "data": [{"b64": base64.b64encode(IMG).decode()}]}]}
-    assert post(srv, "/v2/models/r18.v2/infer", gzip.compress(json.dumps(good).encode()),
+    assert post(srv, "/v2/models/r18.v2/infer", gzip.compress(json.dumps(ONE).encode()),
                 {"Content-Encoding": "gzip"})[0] == 200
 
 
 def test_a_gzip_body_of_several_members_is_read_whole(srv):
-    body = json.dumps({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
-                                   "data": [{"b64": base64.b64encode(IMG).decode()}]}]})
+    body = json.dumps(ONE)
     half = len(body) // 2
     packed = gzip.compress(body[:half].encode()) + gzip.compress(body[half:].encode())
     status, answer = post(srv, "/v2/models/r18.v2/infer", packed, {"Content-Encoding": "gzip"})
@@ -222,8 +221,7 @@ def test_a_rest_refusal_to_retry_says_when_in_retry_after(make_server):
 
     s = make_server("--model", "resnet18", "--weights", "random", "--http-port", "0",
                     "--max-streams", "1")
-    body = json.dumps({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
-                                   "data": [{"b64": base64.b64encode(IMG).decode()}]}]})
+    body = json.dumps(ONE)
     hold = s.server.stream_caps.work_slot("Extract")   # the one work call allowed
     hold.__enter__()
     try:
@@ -237,15 +235,22 @@ def test_a_rest_refusal_to_retry_says_when_in_retry_after(make_server):
         hold.__exit__(None, None, None)
 
 
-def test_a_stream_open_at_drain_refuses_its_next_request_by_id_and_ends(make_server):
+def _answered_stream(make_server, rid: str):
+    """(server, tritonclient, answers queue) of a ModelStreamInfer stream whose one
+    request `rid` was answered, the stream left open."""
     s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
                     "--max-batch-delay-ms", "2")
     c = grpcclient.InferenceServerClient(s.address)
     answers: queue.SimpleQueue = queue.SimpleQueue()
     c.start_stream(callback=lambda result, error: answers.put((result, error)))
-    c.async_stream_infer("resnet18", [image(grpcclient)], request_id="before")
+    c.async_stream_infer("resnet18", [image(grpcclient)], request_id=rid)
     result, error = answers.get(timeout=120)
-    assert error is None and result.get_response().id == "before"
+    assert error is None and result.get_response().id == rid
+    return s, c, answers
+
+
+def test_a_stream_open_at_drain_refuses_its_next_request_by_id_and_ends(make_server):
+    s, c, answers = _answered_stream(make_server, "before")
     s.server.stream_caps.start_drain(s.server.engine.start_drain)
     c.async_stream_infer("resnet18", [image(grpcclient)], request_id="after")
     result, error = answers.get(timeout=120)
@@ -263,25 +268,16 @@ def test_a_stream_open_at_drain_refuses_its_next_request_by_id_and_ends(make_ser
     ({"resize": True}, "request parameter resize=true: use an integer"),
 ])
 def test_rest_messages_show_values_as_json_writes_them(srv, params, words):
-    good = {"name": "IMAGE", "datatype": "BYTES", "shape": [1],
-            "data": [{"b64": base64.b64encode(IMG).decode()}]}
-    status, body = post(srv, "/v2/models/r18.v2/infer", {"inputs": [good],
+    status, body = post(srv, "/v2/models/r18.v2/infer", {"inputs": [GOOD],
                                                          "parameters": params})
     assert status == 400 and words in body["error"], body
-    status, body = post(srv, "/v2/models/r18.v2/infer", {"inputs": [good], "outputs": [
+    status, body = post(srv, "/v2/models/r18.v2/infer", {"inputs": [GOOD], "outputs": [
         {"name": "fc", "parameters": {"classification": True}}]})
     assert status == 400 and "classification=true: use an integer" in body["error"], body
 
 
 def test_a_stream_waiting_for_its_next_request_is_ended_at_drain(make_server):
-    s = make_server("--model", "resnet18", "--weights", "random", "--seed", "0",
-                    "--max-batch-delay-ms", "2")
-    c = grpcclient.InferenceServerClient(s.address)
-    answers: queue.SimpleQueue = queue.SimpleQueue()
-    c.start_stream(callback=lambda result, error: answers.put((result, error)))
-    c.async_stream_infer("resnet18", [image(grpcclient)], request_id="only")
-    result, error = answers.get(timeout=120)
-    assert error is None and result.get_response().id == "only"
+    s, c, answers = _answered_stream(make_server, "only")
     s.server.start_drain()   # the stream sends nothing more, and never closes
     assert s.server.stream_caps.wait_idle(60), "an idle stream held the drain"
     c.stop_stream()

@@ -161,6 +161,18 @@ def resolve_layer(layer: str | None, method: str) -> str | None:
     return layer
 
 
+#: The options of one method alone: option -> that method.
+METHOD_OPTIONS = {"steps": "integrated_gradients", "baseline": "integrated_gradients",
+                  "samples": "smooth_grad", "sigma": "smooth_grad", "seed": "smooth_grad"}
+
+
+def other_methods_option(method: str, **given: object) -> tuple[str, str] | None:
+    """(option, its method) of the first option given (truthy) that belongs to
+    another method than `method`, which would ignore it; None when there is none."""
+    return next(((o, METHOD_OPTIONS[o]) for o, on in given.items()
+                 if on and METHOD_OPTIONS[o] != method), None)
+
+
 #: SmoothGrad's noise, a fraction of the input's range, as the server takes it (a float32
 #: on the wire: smaller values would round to 0, the default).
 MIN_SG_SIGMA, MAX_SG_SIGMA = 1e-6, 1000.0
@@ -198,13 +210,12 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
         raise ValueError(f"upsample is for the CAM methods' maps ({', '.join(CAM_METHODS)}): "
                          f"{method}'s map has the input's size already: drop it")
     # options of another method would be ignored: say so
-    for what, given, owner in (("steps", steps, "integrated_gradients"),
-                               ("baseline", baseline != "zeros", "integrated_gradients"),
-                               ("samples", samples, "smooth_grad"),
-                               ("sigma", sigma, "smooth_grad"), ("seed", seed, "smooth_grad")):
-        if given and method != owner:
-            raise ValueError(f"{what} is an option of {owner}, not of {method}: drop it, or "
-                             f"use method={owner!r}")
+    found = other_methods_option(method, steps=steps, baseline=baseline != "zeros",
+                                 samples=samples, sigma=sigma, seed=seed)
+    if found:
+        what, owner = found
+        raise ValueError(f"{what} is an option of {owner}, not of {method}: drop it, or "
+                         f"use method={owner!r}")
     spec = pb.AttributionSpec(
         model=model or "", layer=resolve_layer(layer, method) or "", method=METHODS[method],
         score=SCORES[score],

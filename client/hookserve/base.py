@@ -249,12 +249,11 @@ class ClientBase:
                     options: dict[str, Any]) -> ImageCall | None:
         """One image's ExtractImage call; None once a server answered that it has no
         such RPC (it predates it: the one-image calls use a stream from then on)."""
+        one_image_options("extract", options)
         unknown = sorted(set(options) - set(EXTRACT_OPTIONS))
         if unknown:
-            hint = (" (the client's timeout bounds it: Client(timeout=...), or "
-                    "extract_many(..., timeout=...))" if unknown[0] == "timeout" else "")
             raise TypeError(f"extract() got an unexpected keyword argument {unknown[0]!r}: "
-                            f"its options are {', '.join(EXTRACT_OPTIONS)}{hint}")
+                            f"its options are {', '.join(EXTRACT_OPTIONS)}")
         if not self._image_rpc:
             return None
         return ImageCall(self._endpoints, build_spec(layers, model, **options), image,

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from .attribution import AUTO_LAYER
+from .attribution import AUTO_LAYER, other_methods_option
 from .cli_args import (
     STREAM_TIMEOUT,
     add_connection_args,
@@ -110,14 +110,13 @@ def _check(args) -> str | None:
     if args.clip is not None and not 0.0 < args.clip <= 100.0:
         return f"--clip is a percentile in (0, 100], got {args.clip}"
     # what the SDK and the server would refuse, said in the command's own flags
-    for flag, given, owner in (("--steps", args.steps, "integrated_gradients"),
-                               ("--baseline", args.baseline != "zeros", "integrated_gradients"),
-                               ("--samples", args.samples, "smooth_grad"),
-                               ("--sigma", args.sigma, "smooth_grad"),
-                               ("--seed", args.seed, "smooth_grad")):
-        if given and args.method != owner:
-            return (f"{flag} is an option of --method {owner}, not of {args.method}: drop "
-                    f"it, or add --method {owner}")
+    found = other_methods_option(args.method, steps=args.steps,
+                                 baseline=args.baseline != "zeros", samples=args.samples,
+                                 sigma=args.sigma, seed=args.seed)
+    if found:
+        what, owner = found
+        return (f"--{what} is an option of --method {owner}, not of {args.method}: drop "
+                f"it, or add --method {owner}")
     if args.upsample and args.method not in CAM_METHODS:
         return (f"--upsample is for the CAM methods' maps ({', '.join(CAM_METHODS)}): "
                 f"--method {args.method}'s map has the input's size already: drop it")

@@ -1,9 +1,7 @@
 """`hookserve serve` flags. Torch-free, so `--help` works without the server extra.
 
-Every flag has a HOOKSERVE_* environment equivalent (flag name upper-cased,
-dashes to underscores); repeatable flags take a comma-separated list there.
-A flag given on the command line wins over the environment.
-"""
+Every flag has a HOOKSERVE_* environment equivalent (`env_name`; repeatable flags take a
+comma-separated list there, `env_list`). A flag on the command line wins over it."""
 
 from __future__ import annotations
 
@@ -97,6 +95,10 @@ def env_name(flag: str) -> str:   # (a flag's HOOKSERVE_* variable)
     return "HOOKSERVE_" + flag.lstrip("-").upper().replace("-", "_")
 
 
+def env_list(flag: str) -> list[str]:   # a repeated flag's variable: comma-separated
+    return [v.strip() for v in os.environ.get(env_name(flag), "").split(",") if v.strip()]
+
+
 #: Values a boolean HOOKSERVE_* variable may take.
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -172,9 +174,7 @@ def _add(p: argparse.ArgumentParser, flag: str, *, default=None, type=str, help:
     `shown` replaces the default's display (e.g. one computed on this machine)."""
     env = env_name(flag)
     raw = os.environ.get(env)
-    value = default if raw is None else _FromEnv(raw, env)
-    if repeat and raw is not None:  # a comma-separated list
-        value = [v.strip() for v in raw.split(",") if v.strip()]
+    value = default if raw is None else env_list(flag) if repeat else _FromEnv(raw, env)
     if raw is not None:
         shown = None  # the variable's value, not the built-in default
     if shown is None and value is not None:

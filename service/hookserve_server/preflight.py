@@ -14,14 +14,13 @@ import difflib
 import errno
 import ipaddress
 import math
-import os
 import re
 import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ARCHITECTURES, WEIGHT_CHOICES, env_name, known_architecture
+from .config import ARCHITECTURES, WEIGHT_CHOICES, env_list, known_architecture
 from .errors import ConfigError
 from .labels import labels_per_model
 from .model_file import ModelEntry, from_flags, read_model_file
@@ -157,7 +156,8 @@ def preflight(args: argparse.Namespace) -> Checked:
         given = [flag for flag, value, default in (
             ("--model", args.model, ["resnet50"]), ("--weights", args.weights, ["auto"]),
             ("--labels", args.labels, None))
-            if value and value != default and not from_environment(flag, value)]
+            # (a HOOKSERVE_* variable, the flag's default, gives way to the file)
+            if value and value != default and value != env_list(flag)]
         if given:
             raise ConfigError(f"--models {args.models} declares every model, with its "
                               f"weights and labels: drop {' and '.join(given)} (or give "
@@ -268,13 +268,6 @@ def check_ranges(args: argparse.Namespace) -> None:
         raise ConfigError(f"--chunk-bytes must leave room under the "
                           f"{MAX_SEND_MESSAGE_BYTES >> 20} MiB send limit (and stay under "
                           "4 MiB for default gRPC clients)")
-
-
-def from_environment(flag: str, value) -> bool:
-    """Whether a repeated flag's value is its HOOKSERVE_* variable's (config.py reads
-    those as the flags' defaults), not the command line's."""
-    raw = os.environ.get(env_name(flag))
-    return raw is not None and value == [v.strip() for v in raw.split(",") if v.strip()]
 
 
 def check_cache(args: argparse.Namespace) -> None:

@@ -168,19 +168,17 @@ class OipHttp:
 
     # -- plumbing ------------------------------------------------------------------------
     @staticmethod
-    def _json(body: dict, status: int = 200):
+    def _json(body: dict, status: int = 200, headers: dict | None = None):
         from starlette.responses import JSONResponse
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     def _error(self, exc: BaseException):
-        from starlette.responses import JSONResponse
-
         err = as_domain(exc)
         # a retry hint as HTTP clients read it (gRPC's is retry-after-ms)
         after = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} \
             if err.retry_after_s else None
-        return JSONResponse({"error": short_message(err.message)},
-                            status_code=HTTP_STATUS.get(err.code, 500), headers=after)
+        return self._json({"error": short_message(err.message)},
+                          HTTP_STATUS.get(err.code, 500), after)
 
     def _authorized(self, request) -> bool:
         if self._token is None:
