@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -21,7 +22,7 @@ from hookserve_server.checkpoints import read_state_dict
 from hookserve_server.errors import ConfigError
 from hookserve_server.labels import read_labels
 
-from conftest import RunningServer
+from conftest import RunningServer, rand_image
 
 
 def test_csv_labels_with_quoted_names_are_read_unquoted(tmp_path):
@@ -87,3 +88,90 @@ def test_models_takes_the_place_of_the_environments_model_and_weights(tmp_path,
     monkeypatch.setenv("HOOKSERVE_WEIGHTS", "imagenet")
     s = RunningServer(["--models", str(tmp_path / "m.toml")], start=False)
     assert list(s.engine.models) == ["mine"]
+
+
+class _Split(torch.nn.Module):
+    """A training module as Lightning users write one: a torchvision backbone without
+    its head, and a head of their own beside it."""
+
+    def __init__(self, arch, head_in, classes, hidden=False, bias=True, place="fc"):
+        super().__init__()
+        self.backbone = torchvision.models.get_model(arch)
+        slot = self.backbone.get_submodule(place.rsplit(".", 1)[0]) if "." in place else None
+        if slot is not None:
+            slot[int(place.rsplit(".", 1)[1])] = torch.nn.Identity()
+        else:
+            setattr(self.backbone, place, torch.nn.Identity())
+        layers = [torch.nn.Dropout(0.2), torch.nn.Linear(head_in, classes, bias=bias)]
+        if hidden:
+            layers = [torch.nn.Linear(head_in, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes)]
+        self.head = torch.nn.Sequential(*layers) if hidden or not bias else layers[1]
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def _native_forward(module, img, mean, std):
+    x = torch.from_numpy(img.copy()).permute(2, 0, 1)[None].float() / 255
+    x = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    with torch.no_grad():
+        return module.eval()(x)[0].numpy()
+
+
+@pytest.mark.parametrize("arch, head_in, place, bias, save", [
+    ("resnet18", 512, "fc", True,   # Lightning: {"state_dict": ...} under its attributes
+     lambda m: {"state_dict": m.state_dict(), "epoch": 3}),
+    ("resnet18", 512, "fc", False,   # a bias-free probe, in nn.Sequential(Dropout, Linear)
+     lambda m: m.state_dict()),
+    ("mobilenet_v3_small", 1024, "classifier.3", True,   # the head's last Linear replaced
+     lambda m: {"model": {f"module.{k}": v for k, v in m.state_dict().items()}}),
+])
+def test_a_backbone_with_a_head_beside_it_is_served_with_that_head(
+        make_server, tmp_path, arch, head_in, place, bias, save):
+    torch.manual_seed(3)
+    ref = _Split(arch, head_in, 7, bias=bias, place=place)
+    torch.save(save(ref), tmp_path / "split.ckpt")
+    s = make_server("--model", arch, "--weights", str(tmp_path / "split.ckpt"))
+    img = rand_image(48, 48, seed=2)
+    head = place if "." in place else "fc"
+    with s.client() as c:
+        m = c.list_models()[0]
+        got = c.extract(img, [head], native=True)[head]
+    assert m.num_classes == 7
+    np.testing.assert_allclose(got, _native_forward(ref, img, m.mean, m.std),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_that_does_not_fit_the_backbone_is_left_out(make_server, tmp_path):
+    torch.manual_seed(3)
+    ref = _Split("resnet18", 512, 7, hidden=True)   # two Linears: not the head's slot
+    torch.save(ref.state_dict(), tmp_path / "mlp.pt")
+    s = make_server("--model", "resnet18", "--weights", str(tmp_path / "mlp.pt"))
+    img = rand_image(48, 48, seed=2)
+    with s.client() as c:
+        m = c.list_models()[0]
+        got = c.extract(img, ["fc"], native=True)["fc"]
+    assert m.num_classes == 0   # the backbone's features, as the file holds no head
+    np.testing.assert_allclose(got, _native_forward(ref.backbone, img, m.mean, m.std),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch, head_in, where", [
+    ("resnet18", 512, ""),                 # model.fc = Identity(); model.head = Linear
+    ("efficientnet_b0", 1280, "backbone."),   # a head named as torchvision's container
+])
+def test_a_lone_head_is_read_as_the_architectures_head(tmp_path, arch, head_in, where):
+    from hookserve_server.architectures import head_slot, state_dict_keys
+
+    torch.manual_seed(0)
+    own = torchvision.models.get_model(arch).state_dict()
+    slot = head_slot(arch)
+    sd = {f"{where}{k}": v for k, v in own.items()
+          if k not in (slot.weight, slot.bias)}
+    name = "head" if not where else "classifier"
+    sd[f"{name}.weight"], sd[f"{name}.bias"] = torch.randn(5, head_in), torch.randn(5)
+    torch.save(sd, tmp_path / "w.pt")
+    got = read_state_dict(tmp_path / "w.pt", arch, state_dict_keys(arch), slot)
+    assert got.keys() == own.keys()
+    assert torch.equal(got[slot.weight], sd[f"{name}.weight"])
+    assert torch.equal(got[slot.bias], sd[f"{name}.bias"])

@@ -15,7 +15,7 @@ import torch
 import torchvision
 from torch import nn
 
-from .checkpoints import head_keys, head_modules
+from .checkpoints import HeadSlot, head_keys, head_modules
 from .config import TIMM_PREFIX
 from .errors import ConfigError
 from .model_file import INTERPOLATIONS
@@ -133,3 +133,17 @@ def classifier_keys(arch: str) -> tuple[str, ...]:
     """The state_dict keys of `arch`'s classifier head (read off a meta-device copy)."""
     meta = build_meta(arch)
     return tuple(head_keys(meta, default_classes(meta)))
+
+
+@functools.cache
+def head_slot(arch: str) -> HeadSlot | None:
+    """Where `arch`'s head ends, when its last layer is a Linear (squeezenet's 1x1
+    convolution is not): the keys and input features a lone head in a file must fit."""
+    weights = [k for k in classifier_keys(arch) if k.endswith(".weight")]
+    if not weights:
+        return None
+    module = weights[-1].rsplit(".", 1)[0]
+    last = build_meta(arch).get_submodule(module)
+    if not isinstance(last, nn.Linear):
+        return None
+    return HeadSlot(f"{module}.weight", f"{module}.bias", last.in_features)

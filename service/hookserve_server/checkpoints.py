@@ -10,7 +10,8 @@ file, normalised, its classifier head's size read off, and checked against the m
   are found by the architecture's own key names (`under_prefix`): ``module.``
   ((Distributed)DataParallel), ``_orig_mod.`` (``torch.compile``), a Lightning
   module's attribute (``model.``, ``net.``), or several of these; keys outside that
-  prefix (a loss's weights, say) are left out, and logged. Two copies of the model
+  prefix (a loss's weights, say) are left out, and logged, but a head beside a
+  headless backbone (`lone_head`). Two copies of the model
   under two prefixes (a teacher and a student) are refused: which one is meant is
   the user's to say.
 - The number of classes comes from the checkpoint's head (`head_classes`): the model
@@ -33,6 +34,7 @@ import warnings
 import zipfile
 from collections.abc import Collection
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -132,15 +134,44 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                           "PATH)") from None
 
 
+class HeadSlot(NamedTuple):
+    """Where an architecture's head ends: its last Linear's state_dict keys and the
+    features it reads (`architectures.head_slot`)."""
+    weight: str
+    bias: str
+    in_features: int
+
+
+def lone_head(own: Collection[str], outside: dict[str, torch.Tensor],
+              slot: HeadSlot | None) -> dict[str, str]:
+    """{key: the head key it is} when the tensors `outside` the model's `own` keys are
+    one Linear (a weight, and maybe a bias) that reads the head's features, and `own`
+    holds no head; else {}."""
+    if slot is None or slot.weight in own:
+        return {}
+    modules = {k.rsplit(".", 1)[0] for k in outside}
+    if len(modules) != 1:
+        return {}
+    (module,) = modules
+    weight, bias = outside.get(f"{module}.weight"), outside.get(f"{module}.bias")
+    if (weight is None or weight.ndim != 2 or weight.shape[1] != slot.in_features
+            or set(outside) - {f"{module}.weight", f"{module}.bias"}
+            or (bias is not None and tuple(bias.shape) != (weight.shape[0],))):
+        return {}
+    return {f"{module}.weight": slot.weight,
+            **({f"{module}.bias": slot.bias} if bias is not None else {})}
+
+
 def _is_tensor_dict(obj: object) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
 
 
-def normalise(obj: object, path: Path, keys: Collection[str] = ()
-              ) -> dict[str, torch.Tensor]:
+def normalise(obj: object, path: Path, keys: Collection[str] = (),
+              slot: HeadSlot | None = None) -> dict[str, torch.Tensor]:
     """The state_dict in what a file held: unnested, and, given the architecture's
-    own `keys`, the part of it under the prefix that holds them (`under_prefix`)."""
+    own `keys`, the part of it under the prefix that holds them (`under_prefix`),
+    with a lone head beside it that fits `slot`."""
     if isinstance(obj, dict) and not _is_tensor_dict(obj):
         for key in NESTED_KEYS:
             if _is_tensor_dict(obj.get(key)):
@@ -152,7 +183,7 @@ def normalise(obj: object, path: Path, keys: Collection[str] = ()
     if not _is_tensor_dict(obj):
         raise ConfigError(f"weights file {path} holds {_held(obj)}, not a state_dict (a dict "
                           f"of tensors); {SAVE_HINT}")
-    return under_prefix(obj, frozenset(keys), path) if keys else obj
+    return under_prefix(obj, frozenset(keys), path, slot) if keys else obj
 
 
 def _held(obj) -> str:
@@ -173,14 +204,15 @@ def _held(obj) -> str:
     return f"a dict with keys {', '.join(map(repr, list(obj)[:5]))}"
 
 
-def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path
-                 ) -> dict[str, torch.Tensor]:
+def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path,
+                 slot: HeadSlot | None = None) -> dict[str, torch.Tensor]:
     """`sd` with the prefix dropped under which most of its keys are the architecture's
     `keys` (up to PREFIX_DEPTH parts: ``module.``, ``model.``, ``module._orig_mod.``);
     `sd` itself when its own keys are as good. Keys outside the prefix are left out
-    and logged; two prefixes that hold as many (two copies of the model) are refused.
-    A checkpoint of another architecture matches nothing and is returned as it is, for
-    `load_into` to report."""
+    and logged, but a `lone_head` that fits `slot`, kept as the head; two prefixes
+    that hold as many (two copies of the model) are refused. A checkpoint of another
+    architecture matches nothing and is returned as it is, for `load_into` to
+    report."""
     counts: dict[str, int] = {"": sum(1 for k in sd if k in keys)}
     for k in sd:
         parts = k.split(".")
@@ -189,8 +221,15 @@ def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path
             if k[len(prefix):] in keys:
                 counts[prefix] = counts.get(prefix, 0) + 1
     prefix = max(counts, key=lambda p: (counts[p], -len(p)))
-    if not prefix or counts[prefix] == 0:
+    if counts[prefix] == 0:
         return sd
+    if not prefix:   # the model's own keys, maybe with a head of its own beside them
+        outside = {k: v for k, v in sd.items() if k not in keys}
+        roots = {k.split(".", 1)[0] for k in keys}
+        if any(k.split(".", 1)[0] in roots for k in outside):
+            return sd   # the model's own layers reshaped (a head of another shape)
+        head = lone_head(sd, outside, slot)
+        return _with_head(sd, head, path) if head else sd
     rivals = sorted(p for p in counts if counts[p] == counts[prefix])
     if len(rivals) > 1:   # two copies of the model (a teacher and a student, an EMA)
         raise ConfigError(
@@ -199,20 +238,31 @@ def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path
             f"alone, e.g. torch.save(model.{rivals[0].rstrip('.')}.state_dict(), PATH)")
     kept = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
     left = [k for k in sd if not k.startswith(prefix)]
+    head = lone_head(kept, {k: sd[k] for k in left}, slot)
+    if head:
+        return _with_head({**kept, **{k: sd[k] for k in head}}, head, path)
     if left:
         log.info("weights file %s: the model's weights are under %r; %d other keys left "
                  "out (e.g. %s)", path, prefix, len(left), ", ".join(left[:3]))
     return kept
 
 
-def read_state_dict(path: Path, arch: str, keys: Collection[str] = ()
-                    ) -> dict[str, torch.Tensor]:
+def _with_head(sd: dict[str, torch.Tensor], head: dict[str, str], path: Path
+               ) -> dict[str, torch.Tensor]:
+    """`sd` with the `lone_head` keys renamed to the head's."""
+    log.info("weights file %s: %s read as the classifier head (%s)", path,
+             ", ".join(head), ", ".join(head.values()))
+    return {head.get(k, k): v for k, v in sd.items()}
+
+
+def read_state_dict(path: Path, arch: str, keys: Collection[str] = (),
+                    slot: HeadSlot | None = None) -> dict[str, torch.Tensor]:
     """The state_dict in a weights file (`normalise`d with the architecture's own
-    `keys`); ConfigError in one line."""
+    `keys` and its head's `slot`); ConfigError in one line."""
     if not path.is_file():
         raise ConfigError(f"weights file {path} does not exist (for model {arch})")
     if path.suffix.lower() == SAFETENSORS_SUFFIX or _looks_safetensors(path):
-        return normalise(_read_safetensors(path), path, keys)
+        return normalise(_read_safetensors(path), path, keys, slot)
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
             warnings.simplefilter("ignore")
@@ -220,7 +270,7 @@ def read_state_dict(path: Path, arch: str, keys: Collection[str] = ()
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ConfigError(_load_error(path, exc)) from None
-    return normalise(obj, path, keys)
+    return normalise(obj, path, keys, slot)
 
 
 def head_keys(model: nn.Module, num_classes: int) -> list[str]:

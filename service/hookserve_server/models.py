@@ -25,6 +25,7 @@ from .architectures import (
     check_timm,
     classifier_keys,
     default_classes,
+    head_slot,
     is_timm,
     state_dict_keys,
     timm_transforms,
@@ -202,7 +203,8 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
                                   state_dict_digest(model.state_dict()), False,
                                   num_classes=default_classes(model))
     path = Path(weights).expanduser()
-    sd = without_aux_heads(arch, read_state_dict(path, arch, state_dict_keys(arch)))
+    sd = without_aux_heads(arch, read_state_dict(path, arch, state_dict_keys(arch),
+                                                  head_slot(arch)))
     head = classifier_keys(arch)
     classes = head_classes(sd, list(head))
     left_out: tuple[str, ...] = ()
