@@ -189,3 +189,54 @@ def test_a_connection_that_fails_says_what_to_change(make_server):
             pytest.raises(hookserve.errors.Unavailable, match="that port speaks HTTP/1, "
                                                               "not gRPC"):
         c.list_models()
+
+
+def test_a_file_that_is_no_regular_file_is_refused_unread(server, tmp_path):
+    """A FIFO would block the read for ever and a device never end: refused by kind,
+    and the rest of the call goes on."""
+    import os
+    import threading
+
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    good = tmp_path / "good.png"
+    good.write_bytes(encode(SMALL))
+    out: dict = {}
+
+    def call():
+        with server.client() as c:
+            out["rs"] = list(c.extract_many([str(fifo), "/dev/zero", str(good)], ["layer1"]))
+            out["one"] = pytest.raises(hookserve.InvalidArgument, c.extract, fifo, ["layer1"])
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(60)
+    if t.is_alive():   # unblock the read the client should not have started
+        with open(fifo, "wb"):
+            pass
+        t.join()
+    assert "rs" in out, "the client read a FIFO"
+    first, second, third = out["rs"]
+    for r in (first, second):
+        assert isinstance(r.error, hookserve.InvalidArgument)
+        assert "is not a regular file (a pipe, a socket or a device)" in str(r.error)
+    assert third.error is None and "layer1" in third.features
+    assert "not a regular file" in str(out["one"].value)
+
+
+def test_a_file_over_the_clients_send_limit_is_refused_from_its_size(server, tmp_path):
+    big = tmp_path / "clip.mp4"
+    with big.open("wb") as fh:   # sparse: its size, no bytes written
+        fh.truncate(5 << 20)
+    small = tmp_path / "ok.png"
+    small.write_bytes(encode(SMALL))
+    with server.client(options=[("grpc.max_send_message_length", 1 << 20)]) as c:
+        r, ok = c.extract_many([str(big), str(small)], ["layer1"])
+        with pytest.raises(hookserve.ResourceExhausted) as one:
+            c.extract(big, ["layer1"])
+    assert isinstance(r.error, hookserve.ResourceExhausted)
+    for err in (r.error, one.value):
+        assert f"its file of {5 << 20} bytes is over this client's limit of {1 << 20}" \
+            in str(err)
+        assert "grpc.max_send_message_length" in str(err)
+    assert ok.error is None

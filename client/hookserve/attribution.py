@@ -267,7 +267,7 @@ class AttributionRun(Extraction):
         return None if t is None else int(t)
 
     def _encode(self, obj: Any, wire_id: str, extra: int | None) -> bytes:
-        return wire.attribute_request(obj, wire_id, extra)
+        return wire.attribute_request(obj, wire_id, extra, self.endpoints.max_send)
 
     def _spec_request(self) -> Any:
         return pb.AttributeRequest(spec=self.spec)

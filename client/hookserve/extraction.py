@@ -32,7 +32,7 @@ import numpy as np
 
 from . import errors, wire
 from .endpoints import Endpoints
-from .images import default_id, to_image
+from .images import TooLarge, default_id, to_image
 from .tensors import Collected
 from .types import Result
 from .v1 import hookserve_pb2 as pb
@@ -100,7 +100,7 @@ class Extraction:
 
     def _encode(self, obj: Any, wire_id: str, extra: Any) -> bytes:
         """The wire bytes of the image's request."""
-        return wire.extract_request(obj, wire_id)
+        return wire.extract_request(obj, wire_id, self.endpoints.max_send)
 
     def _opened(self, call: Any) -> None:
         """A new call of this run has started (a hook for watchers: it can be cancelled)."""
@@ -278,7 +278,8 @@ class ImageCall:
     def __init__(self, endpoints: Endpoints, spec: pb.ExtractionSpec, image: Any,
                  timeout: float | None) -> None:
         try:
-            self.request = pb.ExtractImageRequest(spec=spec, image=to_image(image, ""))
+            pixels = to_image(image, "", endpoints.max_send)
+            self.request = pb.ExtractImageRequest(spec=spec, image=pixels)
         except (OSError, TypeError, ValueError) as exc:
             raise unreadable(default_id(image, 0), exc) from None
         self.endpoints = endpoints
@@ -307,9 +308,12 @@ class ImageCall:
         return self.features()
 
 
-def unreadable(image_id: str, exc: Exception) -> errors.InvalidArgument:
+def unreadable(image_id: str, exc: Exception) -> errors.HookserveError:
     """An image the client could not read, as that image's error (read here, before
     any call: not the server's answer)."""
+    if isinstance(exc, TooLarge):
+        return errors.ResourceExhausted(errors.over_limit_message(
+            f"image {image_id!r}: its file", exc.size, exc.limit, own=True))
     if isinstance(exc, IsADirectoryError):
         return errors.InvalidArgument(
             f"could not read image {image_id!r}: it is a folder; give image files (for a "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from typing import Any
 
 import numpy as np
@@ -17,10 +19,39 @@ def default_id(obj: Any, index: int) -> str:
     return str(index)
 
 
-def to_image(obj: Any, image_id: str) -> pb.Image:
+class TooLarge(ValueError):
+    """An image file over the client's send limit, refused from its size unread."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"{size} bytes, over this client's limit of {limit} bytes")
+        self.size, self.limit = size, limit
+
+
+def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
+    """An image file's bytes. Only a regular file is opened (a FIFO would block and a
+    device never end), and one over `limit` bytes (the client's send limit: its
+    request could not be sent) is refused from its size, unread."""
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("it is not a regular file (a pipe, a socket or a device): give "
+                         "an image file")
+    limit = limit if limit is not None and limit >= 0 else None
+    if limit is not None and st.st_size > limit:
+        raise TooLarge(st.st_size, limit)
+    with open(path, "rb") as fh:
+        data = fh.read() if limit is None else fh.read(limit + 1)
+    if limit is not None and len(data) > limit:   # (it grew since)
+        raise TooLarge(len(data), limit)
+    return data
+
+
+def to_image(obj: Any, image_id: str, limit: int | None = None) -> pb.Image:
     """Build a wire Image.
 
-    - ``str`` / ``os.PathLike``: the file's bytes are sent encoded (the server decodes).
+    - ``str`` / ``os.PathLike``: the file's bytes are sent encoded (the server decodes);
+      `read_file` refuses one over `limit` bytes unread.
     - ``bytes`` / ``bytearray`` / ``memoryview``: sent as encoded image bytes.
     - ``numpy.ndarray``: HxWx3 uint8 RGB (HxW grayscale and HxWx4 RGBA are converted),
       sent as raw pixels.
@@ -28,8 +59,7 @@ def to_image(obj: Any, image_id: str) -> pb.Image:
       PNG; floating point is refused) and sent as raw pixels.
     """
     if isinstance(obj, (str, os.PathLike)):
-        with open(obj, "rb") as fh:
-            return pb.Image(id=image_id, encoded=fh.read())
+        return pb.Image(id=image_id, encoded=read_file(obj, limit))
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return pb.Image(id=image_id, encoded=bytes(obj))
     if type(obj).__module__.startswith("PIL."):

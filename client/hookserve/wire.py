@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .images import to_image
+from .images import read_file, to_image
 from .v1 import hookserve_pb2 as pb
 from .v1 import hookserve_pb2_grpc as pb_grpc
 
@@ -57,13 +57,13 @@ class Payload:
         return len(self.data)
 
 
-def _image(obj: Any, image_id: str) -> list:
-    """The parts of an ``Image`` message for `obj` (joined once by the caller)."""
+def _image(obj: Any, image_id: str, limit: int | None) -> list:
+    """The parts of an ``Image`` message for `obj` (joined once by the caller); a file
+    over `limit` bytes is refused unread (`images.read_file`)."""
     if isinstance(obj, Payload):
         data: Any = obj.data
     elif isinstance(obj, (str, os.PathLike)):
-        with open(obj, "rb") as fh:
-            data = fh.read()
+        data = read_file(obj, limit)
     elif isinstance(obj, (bytes, bytearray, memoryview)):
         data = obj
         if isinstance(obj, memoryview) and not (obj.c_contiguous and obj.ndim == 1
@@ -93,19 +93,20 @@ def _size(parts: list) -> int:
     return sum(len(p) for p in parts)
 
 
-def extract_request(obj: Any, image_id: str) -> bytes:
+def extract_request(obj: Any, image_id: str, limit: int | None = None) -> bytes:
     """The wire bytes of ``ExtractRequest(image=Image(id=image_id, ...))`` for `obj`: a
     path or encoded bytes are sent encoded, an array or PIL image as raw pixels (see
     :func:`hookserve.images.to_image`). A :class:`Payload` becomes a view of the
-    result."""
-    image = _image(obj, image_id)
+    result. A file over `limit` bytes is refused unread."""
+    image = _image(obj, image_id, limit)
     return _join([_delimited(_REQUEST_IMAGE, _size(image)), *image], obj)
 
 
-def attribute_request(obj: Any, image_id: str, target: int | None) -> bytes:
+def attribute_request(obj: Any, image_id: str, target: int | None,
+                      limit: int | None = None) -> bytes:
     """The wire bytes of ``AttributeRequest(image=AttributeImage(image=..., target_class=
     target))``; `target` None leaves the class unset."""
-    image = _image(obj, image_id)
+    image = _image(obj, image_id, limit)
     inner = [_delimited(_ATTRIBUTE_IMAGE, _size(image)), *image]
     if target is not None:
         inner.append(_TARGET + varint(target & 0xFFFF_FFFF_FFFF_FFFF))  # int64: two's complement
