@@ -67,6 +67,38 @@ def test_a_waiter_leaves_at_its_own_deadline_not_the_leaders(make_server):
     assert leader.is_alive()
 
 
+def test_a_waiter_without_a_deadline_leaves_the_deadlines_of_others_kept(make_server):
+    """A call with no deadline (grpcio says some 9.2e18 s remain) waits without one:
+    taken as a deadline, it ended the thread that enforces every other waiter's."""
+    s = make_server(*BASE, "--cache-bytes", "16MiB", "--max-streams", "4")
+    img = rand_image(seed=2)
+    n = Counting(s)
+    leader = start_leader(s, img)
+
+    def patient() -> None:
+        try:
+            with server_client(s) as c:
+                c.attribute(img, **IG)
+        except hookserve.HookserveError:
+            pass  # the server is stopped under it at the end of the test
+
+    threading.Thread(target=patient, daemon=True).start()
+    wait_until(lambda: n.coalesced == 1, "the waiter without a deadline to wait")
+    with s.client(timeout=1.5) as c, pytest.raises(hookserve.DeadlineExceeded):
+        c.attribute(img, **IG)
+    assert n.coalesced == 2
+    # the server lets go of the waiter with a deadline; the other two go on
+    wait_until(lambda: s.server.stream_caps.work_streams == 2, "the waiter's stream to end")
+    assert leader.is_alive()
+    thread = s.engine.cache.deadlines._thread
+    assert thread is not None and thread.is_alive()   # still there for the next waiter
+
+
+def server_client(server) -> hookserve.Client:
+    """A client of `server` whose calls carry no deadline."""
+    return server.client(timeout=None)
+
+
 def test_single_flight_holds_concurrent_requests_on_one_computation(make_server):
     s = make_server(*BASE, "--cache-bytes", "16MiB")
     img = rand_image(seed=3)

@@ -34,9 +34,27 @@ def call_stats() -> dict:
     return {"model": "", "layers": [], "images": 0, "failed": 0, "bytes": 0}
 
 
+#: grpcio's time_remaining() for a call without a deadline: about 9.2e18 s, not None.
+#: Anything above this many seconds (some 30 years) is taken as no deadline.
+NO_DEADLINE_S = 1e9
+
+
+def _remaining(context) -> float | None:
+    """Seconds left of the call's own deadline; None when it has none (a transport
+    without deadlines, or a client that set none)."""
+    remaining = getattr(context, "time_remaining", lambda: None)()
+    return None if remaining is None or remaining > NO_DEADLINE_S else remaining
+
+
+def call_deadline(context) -> float | None:
+    """The call's deadline as a time.monotonic() value (None: the client set none)."""
+    remaining = _remaining(context)
+    return None if remaining is None else time.monotonic() + remaining
+
+
 def _expired(context) -> bool:
     """Whether the call's own deadline has passed (a transport that has one)."""
-    remaining = getattr(context, "time_remaining", lambda: None)()
+    remaining = _remaining(context)
     return remaining is not None and remaining <= 0
 
 

@@ -10,7 +10,6 @@ and counts each call.
 from __future__ import annotations
 
 import functools
-import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -19,7 +18,7 @@ from hookserve.v1 import hookserve_pb2 as pb
 from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
 
 from . import wire
-from .calls import Calls, call_stats
+from .calls import Calls, call_deadline, call_stats
 from .errors import Cancelled
 from .status import mapped
 
@@ -78,7 +77,7 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
               self.streams.work_slot("ExtractImage")):
             spec, image = wire.image_request(request)
             self.calls.note_spec(spec, stats)
-            session = self.engine.session(_deadline(context))
+            session = self.engine.session(call_deadline(context))
             context.add_callback(session.cancel)
             messages = functools.partial(wire.tensor_messages, chunk_bytes=self.chunk_bytes)
             for result in session.run_one(spec, image):
@@ -100,7 +99,7 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
         image's answer as `messages(result, chunk_bytes)` then its status."""
         stats = call_stats()
         with self.calls.observed(method, context, stats), self.streams.work_slot(method):
-            session = self.engine.session(_deadline(context))
+            session = self.engine.session(call_deadline(context))
             context.add_callback(session.cancel)
             encode = functools.partial(messages, chunk_bytes=self.chunk_bytes)
             noted = self.calls.noted(_client_gone_is_cancelled(requests), stats)
@@ -108,11 +107,6 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
                 yield from self.calls.answered(result, stats, encode)
                 yield wire.status_message(result, response_cls)
 
-
-def _deadline(context) -> float | None:
-    """The call's deadline as a time.monotonic() value (None: the client set none)."""
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
 
 
 def _client_gone_is_cancelled(requests):

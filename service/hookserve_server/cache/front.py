@@ -316,8 +316,8 @@ class _Deadlines:
             with self._cond:
                 while not self._closed and (
                         not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cond.wait(None if not self._heap
-                                    else self._heap[0][0] - time.monotonic())
+                    self._cond.wait(None if not self._heap else min(
+                        self._heap[0][0] - time.monotonic(), threading.TIMEOUT_MAX))
                 if self._closed:
                     return
                 _, _, ref = heapq.heappop(self._heap)

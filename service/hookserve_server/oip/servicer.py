@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
 
 from .. import wire
+from ..calls import call_deadline
 from ..errors import (
     HookserveError,
     InternalError,
@@ -117,10 +117,6 @@ def _config_io(cls, items: list[dict], **extra) -> list:
     return [cls(name=t["name"], data_type=_CONFIG_TYPES[t["datatype"]], dims=t["shape"],
                 **extra) for t in items]
 
-
-def _deadline(context) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
 
 
 class OipServicer:
@@ -227,7 +223,7 @@ class OipServicer:
         with self.inference.parsing("ModelInfer", context):
             call = to_call(self._parse(pb.ModelInferRequest, request))
         answer = self.inference.infer(call, "ModelInfer", context, context.add_callback,
-                                      _deadline(context))
+                                      call_deadline(context))
         return to_response(answer)
 
     @mapped
@@ -261,7 +257,7 @@ class OipServicer:
                         raise Unavailable("server is shutting down: send this request "
                                           "and the rest to another replica")
                 answer = self.inference.infer(call, "ModelStreamInfer", context, cancel.set,
-                                              _deadline(context), slot=False)
+                                              call_deadline(context), slot=False)
                 yield pb.ModelStreamInferResponse(infer_response=to_response(answer))
             except Exception as exc:  # noqa: BLE001 - one request fails, not the stream
                 if not isinstance(exc, HookserveError):
