@@ -187,3 +187,39 @@ def test_imagenet_weights_build_the_model_torchvision_builds_for_them(monkeypatc
     x = torch.rand(1, 3, 96, 96) if arch == "googlenet" else torch.rand(1, 3, 80, 80)
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(x), ref.eval()(x))
+
+
+def _legacy_densenet(sd):
+    """A densenet state_dict as torchvision's published files hold it: the dotted
+    `denselayerN.norm.1.weight` names, no batch-norm step counters."""
+    return {re.sub(r"(denselayer\d+\.(?:norm|relu|conv))([12])\.", r"\1.\2.", k): v
+            for k, v in sd.items() if not k.endswith("num_batches_tracked")}
+
+
+def test_torchvisions_published_densenet_layout_loads_as_torchvision_loads_it(
+        monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    path = imagenet_cache_path("densenet121")
+    path.parent.mkdir(parents=True)
+    torch.manual_seed(5)
+    ref = torchvision.models.densenet121().eval()
+    legacy = _legacy_densenet(ref.state_dict())
+    assert any(".norm.1." in k for k in legacy)
+    torch.save(legacy, path)
+    for weights in ("imagenet", "auto", str(path)):   # the cache, and as a file
+        model, info = build_model("densenet121", weights)
+        assert info.pretrained
+        x = torch.randn(1, 3, 64, 64)
+        with torch.no_grad():
+            assert torch.equal(model.eval()(x), ref(x))
+
+
+def test_torchvisions_published_vit_layout_is_read_with_the_current_names():
+    from hookserve_server.architectures import as_built, state_dict_keys
+
+    keys = state_dict_keys("vit_b_16")
+    legacy = {re.sub(r"\.mlp\.([03])\.", lambda m: f".mlp.linear_{int(m[1]) // 3 + 1}.", k): k
+              for k in keys}
+    assert sum(".linear_" in k for k in legacy) == 48
+    got = as_built("vit_b_16", legacy)
+    assert set(got) == keys and all(got[k] == k for k in keys)   # each key where it was

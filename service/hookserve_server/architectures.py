@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import torch
 import torchvision
@@ -92,8 +93,25 @@ def default_classes(model: nn.Module) -> int:
     return int(getattr(model, "num_classes", DEFAULT_CLASSES) or DEFAULT_CLASSES)
 
 
-def without_aux_heads(arch: str, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`sd` without the keys of `arch`'s training-only heads (AUX_HEADS)."""
+#: Key names torchvision's own published weights still use, as the current modules name
+#: them (torchvision renames them itself when it loads those files), by architecture
+#: family: densenet's ``denselayerN.norm.1.weight`` (now ``norm1``), vit's MLP
+#: ``linear_1`` and ``linear_2`` (now ``0`` and ``3``).
+LEGACY_KEYS = {
+    "densenet": (re.compile(r"^(.*denselayer\d+\.(?:norm|relu|conv))\.([12]\."
+                            r"(?:weight|bias|running_mean|running_var|num_batches_tracked))$"),
+                 lambda m: m[1] + m[2]),
+    "vit_": (re.compile(r"^(.*\.mlp\.)linear_([12])\.(weight|bias)$"),
+             lambda m: f"{m[1]}{3 * (int(m[2]) - 1)}.{m[3]}"),
+}
+
+
+def as_built(arch: str, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sd` as `build` makes `arch`: torchvision's legacy key names (LEGACY_KEYS)
+    renamed, and the keys of its training-only heads (AUX_HEADS) left out."""
+    for family, (pattern, new) in LEGACY_KEYS.items():
+        if arch.startswith(family) and any(pattern.match(k) for k in sd):
+            sd = {(new(m) if (m := pattern.match(k)) else k): v for k, v in sd.items()}
     prefixes = AUX_HEADS.get(arch)
     return {k: v for k, v in sd.items() if not k.startswith(prefixes)} if prefixes else sd
 

@@ -20,6 +20,7 @@ from .architectures import (
     DEFAULT_CLASSES,
     NO_HEAD,
     TRANSFORM_INPUT,
+    as_built,
     build,
     build_meta,
     check_timm,
@@ -29,7 +30,6 @@ from .architectures import (
     is_timm,
     state_dict_keys,
     timm_transforms,
-    without_aux_heads,
 )
 from .capture.reduce import DTYPES
 from .capture.table import LayerTable, LayerTables, layer_names
@@ -193,7 +193,7 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
         else:
             model = build(arch, transform_input=transform_input is not False
                           and arch in TRANSFORM_INPUT)
-            load_into(model, without_aux_heads(arch, sd), f"cached ImageNet weights for {arch}",
+            load_into(model, as_built(arch, sd), f"cached ImageNet weights for {arch}",
                       arch)
             return model, WeightsInfo("imagenet", name, state_dict_digest(model.state_dict()),
                                       True, verified)
@@ -203,7 +203,7 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
                                   state_dict_digest(model.state_dict()), False,
                                   num_classes=default_classes(model))
     path = Path(weights).expanduser()
-    sd = without_aux_heads(arch, read_state_dict(path, arch, state_dict_keys(arch),
+    sd = as_built(arch, read_state_dict(path, arch, state_dict_keys(arch),
                                                   head_slot(arch)))
     head = classifier_keys(arch)
     classes = head_classes(sd, list(head))
