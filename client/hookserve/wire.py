@@ -39,6 +39,11 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
+#: The initial metadata each Extract and Attribute stream's server sends: JSON
+#: {model: weights digest} of every model it serves (hookserve.proto, Extract).
+WEIGHTS_HEADER = "hookserve-weights-bin"
+
+
 def _delimited(tag: bytes, size: int) -> bytes:
     return tag + varint(size)
 

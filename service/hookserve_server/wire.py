@@ -7,6 +7,7 @@ No torch, no grpc: messages only.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
 from hookserve.v1 import hookserve_pb2 as pb
+from hookserve.wire import WEIGHTS_HEADER
 
 from .attribution_spec import (
     DEFAULT_IG_STEPS,
@@ -147,6 +149,14 @@ def image_request(request) -> tuple[ExtractionSpec, ImageInput]:
         raise InvalidArgument("ExtractImageRequest.spec is not set: name the model's layers "
                               "to extract")
     return to_spec(req.spec), to_image(req.image)
+
+
+def weights_header(models) -> tuple[tuple[str, bytes]]:
+    """The initial metadata of every Extract and Attribute stream: each of `models`'
+    weights digest (WEIGHTS_HEADER, JSON {model: digest}), so a client that reconnects
+    mid-run (a replica replaced in a rolling deploy) can tell whether they changed."""
+    return ((WEIGHTS_HEADER, json.dumps({m.name: m.weights.digest for m in models},
+                                        sort_keys=True).encode()),)
 
 
 def model_info(m: ServedModel) -> pb.ModelInfo:

@@ -46,6 +46,7 @@ from .readers import is_tar
 from .scheduler import Item, Scheduler, Streams
 from .sinks import OutputError, Record, ShapeMismatch, Sink, make_sink, peek_done
 from .spec import connect, describe_and_check, parse_layers
+from .streamcall import weights_of
 
 
 def plan(paths: list[str], done: dict, cap: Cap | None = None
@@ -141,7 +142,8 @@ def run_local(args: argparse.Namespace) -> int:
         workers = Streams(client, Scheduler(work, args.max_in_flight,
                                             args.max_in_flight_bytes), layers, opts,
                           model=args.model, retries=args.retries, streams=streams,
-                          window=window, cap=cap, timeout=args.timeout)
+                          window=window, cap=cap, timeout=args.timeout,
+                          weights=weights_of(meta))
         progress = Progress(len(work), args.progress if args.progress is not None
                             else sys.stderr.isatty())
         t0 = time.monotonic()

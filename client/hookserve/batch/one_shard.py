@@ -28,7 +28,7 @@ from .shard_output import ShardIncomplete, ShardOutput, ShardResult
 from .shard_plan import Shard, shard_from_key
 from .sinks.base import OutputError
 from .spec import connect, describe_and_check, parse_layers
-from .streamcall import Watchdog, extract_many
+from .streamcall import Watchdog, extract_many, weights_of
 
 
 def read_opts(args, storage_options: dict, cap: Cap) -> dict:
@@ -111,7 +111,7 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
                                     retries=args.retries, window=args.max_in_flight,
                                     read=read_opts(args, opts, cap),
                                     budget=ByteBudget(args.max_in_flight_bytes),
-                                    watchdog=Watchdog(args.timeout))
+                                    watchdog=Watchdog(args.timeout, weights_of(meta)))
         result = output.publish(shard, rows, fails)
         if not result.complete:
             raise ShardIncomplete(result)

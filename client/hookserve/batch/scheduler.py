@@ -189,10 +189,11 @@ class Streams:
 
     def __init__(self, client, sched: Scheduler, layers, opts: dict, *, model: str | None,
                  retries: int, streams: int, window: int, cap: Cap | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, weights: tuple[str, str] | None = None
+                 ) -> None:
         self.client = client
         self.cap = cap or Cap(MAX_FILE_BYTES)
-        self.watchdog = Watchdog(timeout)
+        self.watchdog = Watchdog(timeout, weights)
         self.sched = sched
         self.layers = layers
         self.opts = opts

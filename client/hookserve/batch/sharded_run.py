@@ -56,7 +56,7 @@ from .shard_output import ShardOutput, ShardResult, present
 from .shard_plan import PlanReport, Shard, ShardError, plan_shards, select, vanished
 from .sinks.base import OutputError
 from .spec import connect, describe_and_check, parse_layers
-from .streamcall import Watchdog
+from .streamcall import Watchdog, weights_of
 
 #: Shards named one by one when a run leaves shards open.
 NAMED = 20
@@ -158,7 +158,7 @@ def run_sharded(args: argparse.Namespace) -> int:
         todo = [s for s in mine if s.sid not in done]
         t0 = time.monotonic()
         results, fatal, interrupted = _run_pool(args, client, todo, output, layers, xopts,
-                                                read_opts(args, opts, cap))
+                                                read_opts(args, opts, cap), weights_of(meta))
     return _report(args, results, fatal, interrupted, len(mine) - len(todo), len(todo),
                    time.monotonic() - t0, output.failed_before)
 
@@ -208,10 +208,10 @@ def _report(args, results: list[ShardResult], fatal, interrupted: bool, skipped:
 
 
 def _run_pool(args, client, todo: list[Shard], output: ShardOutput, layers, xopts,
-              read: dict):
+              read: dict, weights: tuple[str, str]):
     """--streams shards at once, each on its own stream, sharing one byte budget and
-    one --timeout watch. A signal stops the run at once: shards in progress have no
-    marker yet, so the next run does them again."""
+    one watch (--timeout, and the run's `weights`). A signal stops the run at once:
+    shards in progress have no marker yet, so the next run does them again."""
     work: queue.SimpleQueue = queue.SimpleQueue()
     for s in todo:
         work.put(s)
@@ -219,7 +219,7 @@ def _run_pool(args, client, todo: list[Shard], output: ShardOutput, layers, xopt
     stop = threading.Event()
     window = max(1, args.max_in_flight // max(1, args.streams))
     budget = ByteBudget(args.max_in_flight_bytes)
-    watchdog = Watchdog(args.timeout)
+    watchdog = Watchdog(args.timeout, weights)
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
 
     def worker():

@@ -1,14 +1,20 @@
-"""The Extract streams of `hookserve batch`, with ``--timeout`` applied to them.
+"""The Extract streams of `hookserve batch`, with ``--timeout`` applied to them, and
+the weights they answer with checked.
 
 A batch stream may run for hours, so it has no deadline of its own. Instead
 ``--timeout`` bounds its silence: a stream that has images sent and unanswered, and
 gets no message for ``--timeout`` seconds, is cancelled, and its unanswered images are
-sent again (as after DEADLINE_EXCEEDED). :func:`extract_many` is
+sent again (as after DEADLINE_EXCEEDED). And every stream, the first and each one
+opened after a server went away, must come from the weights the run started with
+(the server's ``hookserve-weights-bin`` header): a replica that came back with other
+weights would mix their features into the output, so the run stops there (Abort)
+before any of its answers is taken. :func:`extract_many` is
 :meth:`hookserve.Client.extract_many` with that watch.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import weakref
@@ -18,13 +24,23 @@ from typing import Any
 from .. import errors
 from ..extraction import Extraction
 from ..types import build_spec
+from ..wire import WEIGHTS_HEADER
+from .errors import Abort
+
+
+def weights_of(meta: dict) -> tuple[str, str]:
+    """(model, weights digest) of a run's output metadata: what its streams must serve."""
+    return meta["model"], meta["weights"]["digest"]
 
 
 class Watchdog:
-    """One thread that cancels the silent streams of a run (see the module doc)."""
+    """One thread that cancels the silent streams of a run, and the `weights` (model,
+    digest) every stream must answer with (see the module doc)."""
 
-    def __init__(self, timeout: float | None) -> None:
+    def __init__(self, timeout: float | None,
+                 weights: tuple[str, str] | None = None) -> None:
         self.timeout = timeout
+        self.weights = weights
         self._streams: weakref.WeakSet[_Watched] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -64,6 +80,8 @@ class _Watched(Extraction):
         self.call = None
         self.last = time.monotonic()
         self.timed_out = False
+        self.weights = watchdog.weights
+        self._checked = None
         watchdog.watch(self)
 
     def _opened(self, call: Any) -> None:
@@ -72,7 +90,28 @@ class _Watched(Extraction):
 
     def _absorb(self, msg: Any) -> Any:
         self.last = time.monotonic()
+        if self.weights is not None and self._checked is not self.call:
+            self._check_weights()
         return super()._absorb(msg)
+
+    def _check_weights(self) -> None:
+        """Abort unless this call's server serves the run's weights (its first answer
+        is here, so its headers are)."""
+        self._checked = self.call
+        model, digest = self.weights
+        try:
+            header = dict(self.call.initial_metadata() or ()).get(WEIGHTS_HEADER)
+        except Exception:  # noqa: BLE001 - a call without headers (an older server)
+            return
+        if header is None:
+            return
+        served = json.loads(header).get(model)
+        if served != digest:
+            where = f"serves {served[:19]}" if served else "no longer serves it"
+            raise Abort(f"a server this run reconnected to {where} for model {model}, "
+                        f"not the weights this output was written with ({digest[:19]}): "
+                        "its features would be mixed with theirs. Nothing of it was "
+                        "written; rerun once every server has the same weights")
 
     def waiting(self) -> bool:
         """Images were sent on this stream and are not answered yet."""

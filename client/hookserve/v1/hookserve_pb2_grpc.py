@@ -89,6 +89,10 @@ class FeatureExtractorServicer:
         image. A problem with the call itself (an invalid spec, an unknown model
         or layer) ends the call with that status code after the images sent
         before the bad spec have been answered.
+
+        The stream's initial metadata holds `hookserve-weights-bin`: JSON
+        {model: weights digest} of every served model, so a client that reconnects
+        mid-run can tell whether the weights changed (Attribute's streams too).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

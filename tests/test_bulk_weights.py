@@ -1,0 +1,89 @@
+"""A replica that comes back with other weights in the middle of a bulk run (a rolling
+deploy): the run stops before any of its features is written, so an output never mixes
+two models' features. Every Extract stream's server names its weights (the
+`hookserve-weights-bin` header) and the bulk command checks them on each new stream.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+
+import hookserve
+from hookserve.batch.errors import Abort
+from hookserve.batch.streamcall import Watchdog, extract_many
+
+from bulk_faults import OPTS, markers, tar_bytes
+from conftest import encode, rand_image
+from helpers import small_server, wait_until
+
+TARS = [tar_bytes([(f"{t}-{i}.png", encode(rand_image(32, 32, seed=t * 10 + i)))
+                   for i in range(3)]) for t in range(4)]
+
+
+def _digest(server) -> str:
+    with server.client() as c:
+        return c.list_models()[0].weights_digest
+
+
+def test_a_stream_from_other_weights_is_refused_before_its_first_answer(make_server):
+    a = make_server(*small_server("--seed", "0"))
+    b = make_server(*small_server("--seed", "1"))
+    run_weights = ("resnet18", _digest(a))
+    images = [encode(rand_image(32, 32, seed=i)) for i in range(3)]
+    for server, ok in ((a, True), (b, False)):
+        got = []
+        with hookserve.Client(server.address) as c:
+            try:
+                for r in extract_many(c, images, ["fc"], ids=iter(["0", "1", "2"]),
+                                      window=2, watchdog=Watchdog(None, run_weights),
+                                      model="resnet18"):
+                    got.append(r)
+            except Abort as exc:
+                assert not ok
+                assert f"not the weights this output was written with " \
+                       f"({run_weights[1][:19]})" in str(exc)
+                assert _digest(b)[:19] in str(exc)
+        assert len(got) == (3 if ok else 0)   # not one answer of the other weights
+
+
+def test_a_sharded_run_whose_server_returns_with_other_weights_stops(make_server, tmp_path):
+    a = make_server(*small_server("--max-batch-size", "1", "--seed", "0"))
+    port = a.port
+    src = tmp_path / "in"
+    src.mkdir()
+    for t, data in enumerate(TARS):
+        if t == 2:
+            os.mkfifo(src / "2.tar")   # held: the run waits there for a writer
+        else:
+            (src / f"{t}.tar").write_bytes(data)
+    out = tmp_path / "out.parquet"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hookserve.cli", "batch", str(src / "{0..3}.tar"), "--server",
+         a.address, *OPTS, "--out", str(out), "--streams", "1", "--retries", "3"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        wait_until(lambda: proc.poll() is not None or (
+            out.is_dir() and len(markers(str(out))) >= 2), 120, "2 markers")
+        done = dict(markers(str(out)))
+        a.stop(0)   # the replica is replaced, with other weights, at the same address
+        make_server(*small_server("--max-batch-size", "1", "--seed", "1"), "--port", str(port))
+        with open(src / "2.tar", "wb") as fh:   # the held shard arrives
+            fh.write(TARS[2])
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err
+    assert "not the weights this output was written with" in err
+    assert markers(str(out)) == done   # no shard of the other weights is marked done
+    rows = pq.read_table(str(out)).column("id").to_pylist() if any(
+        n.endswith(".parquet") for n in os.listdir(out)) else []
+    assert all(not r.startswith(("2.tar", "3.tar")) and "/2.tar" not in r
+               and "/3.tar" not in r for r in rows)
+    assert np.unique(rows).size == len(rows)
