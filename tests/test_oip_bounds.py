@@ -141,3 +141,81 @@ def test_an_attribution_whose_maps_cannot_fit_is_refused_before_any_image(srv):
 def test_attribution_parameters_that_would_be_ignored_are_refused(srv, model, body, words):
     got, answer = infer(srv, {"inputs": [GOOD, *body.pop("extra", [])], **body}, model=model)
     assert got == 400 and words in answer["error"], answer
+
+
+def _model_infer(srv, req):
+    """ModelInfer over a raw channel: (status code, details)."""
+    import grpc
+
+    from hookserve_server.oip import grpc_service_pb2 as pb
+    with grpc.insecure_channel(srv.address) as ch:
+        call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                              request_serializer=pb.ModelInferRequest.SerializeToString,
+                              response_deserializer=pb.ModelInferResponse.FromString)
+        try:
+            call(req, timeout=60)
+        except grpc.RpcError as exc:
+            return exc.code().name, exc.details()
+    return "OK", ""
+
+
+def _request(**inputs):
+    from hookserve_server.oip import grpc_service_pb2 as pb
+    req = pb.ModelInferRequest(model_name="resnet18")
+    for name, (datatype, shape) in inputs.items():
+        req.inputs.add(name=name, datatype=datatype, shape=shape)
+    return req
+
+
+@pytest.mark.parametrize("case, words", [
+    # many inputs: refused by their count before each is read (the name check was
+    # quadratic: 50,000 inputs took 18 s of the server's CPU)
+    ("inputs", "20000 inputs: a request has one image input (IMAGE or INPUT__0)"),
+    ("outputs", "20000 layers requested, over the limit of 256"),
+    # many empty images in few bytes (4 bytes each on the wire, ~100 as objects)
+    ("raw images", "5000 images in one request, over the limit of 4096"),
+    ("typed images", "input 'IMAGE': 5000 images in one request, over the limit of 4096"),
+    # typed contents counted against the shape before any is copied out
+    ("typed count", "input 'IMAGE': shape [1] says 1 elements, its typed contents hold 3"),
+    ("typed pixels", "INPUT__0: UINT8 contents hold a value over 255"),
+])
+def test_counts_a_request_controls_are_bounded_before_they_cost(srv, case, words):
+    if case == "inputs":
+        req = _request(**{f"i{i}": ("BYTES", [1]) for i in range(20000)})
+    elif case == "outputs":
+        req = _request(IMAGE=("BYTES", [1]))
+        req.raw_input_contents.append(len(IMG).to_bytes(4, "little") + IMG)
+        for i in range(20000):
+            req.outputs.add(name=f"o{i}")
+    elif case == "raw images":   # (native: no fixed answer size to refuse them by)
+        req = _request(IMAGE=("BYTES", [5000]))
+        req.parameters["mode"].string_param = "native"
+        req.raw_input_contents.append(bytes(4 * 5000))
+    elif case == "typed images":
+        req = _request(IMAGE=("BYTES", [5000]))
+        req.inputs[0].contents.bytes_contents.extend([b""] * 5000)
+    elif case == "typed count":
+        req = _request(IMAGE=("BYTES", [1]))
+        req.inputs[0].contents.bytes_contents.extend([IMG] * 3)
+    else:
+        req = _request(INPUT__0=("UINT8", [1, 2, 2, 3]))
+        req.inputs[0].contents.uint_contents.extend([7] * 11 + [300])
+    code, details = _model_infer(srv, req)
+    assert code == "INVALID_ARGUMENT" and words in details, details
+
+
+def test_typed_pixels_equal_raw_ones(srv):
+    px = rand_image(40, 40, seed=9)
+    typed = _request(INPUT__0=("UINT8", [1, 40, 40, 3]))
+    typed.inputs[0].contents.uint_contents.extend(px.ravel().tolist())
+    raw = _request(INPUT__0=("UINT8", [1, 40, 40, 3]))
+    raw.raw_input_contents.append(px.tobytes())
+    import grpc
+
+    from hookserve_server.oip import grpc_service_pb2 as pb
+    with grpc.insecure_channel(srv.address) as ch:
+        call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                              request_serializer=pb.ModelInferRequest.SerializeToString,
+                              response_deserializer=pb.ModelInferResponse.FromString)
+        a, b = call(typed, timeout=60), call(raw, timeout=60)
+    assert a.raw_output_contents[0] == b.raw_output_contents[0]

@@ -214,6 +214,7 @@ class Inference:
     def _extract(self, call: rq.InferCall, model: str, stats: dict, on_cancel,
                  deadline) -> InferAnswer:
         m = self.engine.get_model(model)
+        self.engine.limits.layer_count(len(call.outputs))   # (before each is read)
         plans = rq.output_plans(call.outputs, logits_layer(m))
         layers = rq.layer_specs(plans)
         stats["layers"] = [layer.name[:100] for layer in layers[:32]]

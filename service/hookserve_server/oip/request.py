@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
 from ..spec import DType, ImageInput, LayerSpec, Mode, Preprocess, Reduction
-from .tensors import element_count, unpack_bytes
+from .tensors import TooMany, element_count, unpack_bytes
 
 IMAGE = "IMAGE"
 PIXELS = "INPUT__0"
@@ -89,10 +89,28 @@ def no_shared_memory(params: dict, what: str) -> None:
                               "the tensor in the request (and read outputs from the answer)")
 
 
-def distinct_inputs(inputs: list[InTensor]) -> None:
-    """Refuse an input name given twice (the second would be ignored)."""
-    names = [t.name for t in inputs]
-    twice = next((n for n in names if names.count(n) > 1), None)
+#: The most inputs a request may name: its image input and TARGET, and a third, so that
+#: a request naming both IMAGE and INPUT__0 is told about that.
+MAX_INPUTS = 3
+
+
+def first_repeat(names: list[str]) -> str | None:
+    """The first name seen twice in `names` (in linear time), or None."""
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            return n
+        seen.add(n)
+    return None
+
+
+def distinct_inputs(names: list[str]) -> None:
+    """Refuse more inputs than the protocol's few, and an input name given twice (the
+    second would be ignored): the `names` of a request's inputs."""
+    if len(names) > MAX_INPUTS:
+        raise InvalidArgument(f"{len(names)} inputs: a request has one image input "
+                              f"({IMAGE} or {PIXELS}) and, for an attribution, TARGET")
+    twice = first_repeat(names)
     if twice is not None:
         raise InvalidArgument(f"input {twice[:100]!r} is given twice: send it once")
 
@@ -160,9 +178,8 @@ def output_plans(outputs: list[OutRequest], logits: str) -> list[OutPlan]:
         if k and layer.dtype is DType.BFLOAT16:
             raise InvalidArgument(f"{what}: classification needs dtype float32 or float16")
         plans.append(OutPlan(out.name, layer, k))
-    names = [p.name for p in plans]
-    if len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
+    twice = first_repeat([p.name for p in plans])
+    if twice is not None:
         raise InvalidArgument(f"output {twice[:100]!r} is requested twice: name it once")
     return plans
 
@@ -221,6 +238,17 @@ def check_params(params: dict, allowed: tuple[str, ...], what: str = "") -> None
                               f"{', '.join(allowed)}")
 
 
+#: The most images one request may hold (each is an element the server keeps until
+#: the answer is sent; a request of many empty elements would otherwise cost far more
+#: memory than its bytes).
+MAX_IMAGES = 4096
+
+
+def too_many_images(n: int) -> str:
+    return (f"{n} images in one request, over the limit of {MAX_IMAGES}: send them in "
+            "several requests (or a stream)")
+
+
 def image_count(t: InTensor) -> int:
     """How many images an IMAGE [N] or INPUT__0 [N, H, W, 3] tensor says it holds (from
     its shape, before any is unpacked)."""
@@ -251,8 +279,13 @@ def _images(t: InTensor) -> list[ImageInput]:
         if t.datatype != "BYTES":
             raise InvalidArgument(f"{IMAGE} is BYTES (encoded images), not {t.datatype}")
         n = element_count(t.shape, IMAGE)
-        elements = (unpack_bytes(t.data, IMAGE) if not isinstance(t.data, list)
-                    else [bytes(e) for e in t.data])
+        try:
+            elements = (unpack_bytes(t.data, IMAGE, min(n, MAX_IMAGES))
+                        if not isinstance(t.data, list) else [bytes(e) for e in t.data])
+        except TooMany:
+            raise InvalidArgument(
+                f"{IMAGE}: shape {list(t.shape)} says {n} images, the contents hold more"
+                if n <= MAX_IMAGES else too_many_images(n)) from None
         if len(elements) != n:
             raise InvalidArgument(f"{IMAGE}: shape {list(t.shape)} says {n} images, the "
                                   f"contents hold {len(elements)}")
@@ -263,6 +296,8 @@ def _images(t: InTensor) -> list[ImageInput]:
         raise InvalidArgument(f"{PIXELS}: shape {list(t.shape)}: use [N, H, W, 3] "
                               "(RGB pixels, row-major)")
     n, h, w, _ = t.shape
+    if n > MAX_IMAGES:
+        raise InvalidArgument(too_many_images(n))
     data = bytes(t.data) if isinstance(t.data, list) else t.data
     if len(data) != element_count(t.shape, PIXELS):
         raise InvalidArgument(f"{PIXELS}: shape {list(t.shape)} needs {n * h * w * 3} "

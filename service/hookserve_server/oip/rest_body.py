@@ -176,7 +176,7 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
         else:
             data = _json_data(t.get("data"), datatype, name)
         inputs.append(InTensor(str(t["name"]), datatype, shape, data))
-    distinct_inputs(inputs)
+    distinct_inputs([t.name for t in inputs])
     if pos != len(blobs):
         raise InvalidArgument(f"the body has {len(blobs) - pos} bytes after the JSON part "
                               "that no input's binary_data_size accounts for")

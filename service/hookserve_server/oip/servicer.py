@@ -32,6 +32,7 @@ from . import metadata as md
 from . import model_config_pb2 as mc
 from .infer import VERSION, CallCancel, Inference
 from .request import (
+    MAX_IMAGES,
     InferCall,
     InTensor,
     OutRequest,
@@ -39,8 +40,9 @@ from .request import (
     no_shared_memory,
     own_params,
     timeout_of,
+    too_many_images,
 )
-from .tensors import InferAnswer
+from .tensors import InferAnswer, element_count
 
 log = logging.getLogger("hookserve.oip")
 
@@ -58,21 +60,29 @@ def params_of(m) -> dict:
             for k, v in m.items()}
 
 
-def _typed(t) -> list:
+def _typed(t) -> list | bytes:
+    """An input's typed contents, once their count is the one its shape says (counted
+    before any element is copied out: a few bytes on the wire each, far more as
+    Python objects)."""
     c = t.contents
-    if t.datatype == "BYTES":
-        return list(c.bytes_contents)
+    field = {"BYTES": c.bytes_contents, "UINT8": c.uint_contents,
+             "INT64": c.int64_contents, "INT32": c.int_contents}.get(t.datatype)
+    if field is None:
+        raise InvalidArgument(f"input {t.name[:100]!r}: datatype {t.datatype[:20]} is not "
+                              "one this server reads (BYTES, UINT8, INT64)")
+    want = element_count(tuple(t.shape), f"input {t.name[:100]!r}")
+    if len(field) != want:
+        raise InvalidArgument(f"input {t.name[:100]!r}: shape {list(t.shape)} says {want} "
+                              f"elements, its typed contents hold {len(field)}")
+    if t.datatype != "UINT8" and want > MAX_IMAGES:   # (one element an image)
+        raise InvalidArgument(f"input {t.name[:100]!r}: " + too_many_images(want))
     if t.datatype == "UINT8":
-        values = list(c.uint_contents)
-        if any(v > 255 for v in values):
-            raise InvalidArgument(f"{t.name[:100]}: UINT8 contents hold a value over 255")
-        return values
-    if t.datatype == "INT64":
-        return list(c.int64_contents)
-    if t.datatype == "INT32":
-        return list(c.int_contents)
-    raise InvalidArgument(f"input {t.name[:100]!r}: datatype {t.datatype[:20]} is not one "
-                          "this server reads (BYTES, UINT8, INT64)")
+        try:
+            return bytes(field)   # (one byte a value, not a list of ints)
+        except ValueError:
+            raise InvalidArgument(f"{t.name[:100]}: UINT8 contents hold a value over 255"
+                                  ) from None
+    return list(field)
 
 
 def to_call(req: pb.ModelInferRequest) -> InferCall:
@@ -86,9 +96,9 @@ def to_call(req: pb.ModelInferRequest) -> InferCall:
     if both is not None:
         raise InvalidArgument(f"input {both[:100]!r} has typed contents beside "
                               "raw_input_contents: send every input one way")
+    distinct_inputs([t.name for t in req.inputs])
     inputs = [InTensor(t.name, t.datatype, tuple(t.shape), raw[i] if raw else _typed(t))
               for i, t in enumerate(req.inputs)]
-    distinct_inputs(inputs)
     outputs = [OutRequest(o.name, params_of(o.parameters)) for o in req.outputs]
     for o in outputs:
         no_shared_memory(o.params, f"output {o.name[:100]!r}")

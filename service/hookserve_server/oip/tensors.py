@@ -17,12 +17,19 @@ ELEMENT_BYTES = {"UINT8": 1, "INT32": 4, "INT64": 8}
 _LENGTH = struct.Struct("<I")
 
 
-def unpack_bytes(raw: bytes | memoryview, what: str) -> list[bytes]:
-    """A raw BYTES tensor as its elements."""
+class TooMany(InvalidArgument):
+    """Raw BYTES contents with more elements than the caller takes (`unpack_bytes`)."""
+
+
+def unpack_bytes(raw: bytes | memoryview, what: str, most: int | None = None
+                 ) -> list[bytes]:
+    """A raw BYTES tensor as its elements; TooMany at the first one past `most`."""
     view = memoryview(raw)
     out: list[bytes] = []
     pos = 0
     while pos < len(view):
+        if most is not None and len(out) == most:
+            raise TooMany(f"{what}: the raw contents hold more than {most} elements")
         if pos + 4 > len(view):
             raise InvalidArgument(f"{what}: raw BYTES contents end inside an element's "
                                   "4-byte length: each element is a little-endian uint32 "
