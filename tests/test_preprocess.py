@@ -151,3 +151,38 @@ def test_a_bicubic_model_is_resized_bicubically(make_server):
         bilinear = fe(recipe(pixels)[None])["features.0"][0].numpy()
     np.testing.assert_array_equal(got, want)
     assert np.abs(bilinear - want).max() > 1e-2
+
+
+def _exif_after_the_pixels(png: bytes) -> bytes:
+    """`png` with its eXIf chunk moved from before the image data to just before IEND."""
+    import struct
+
+    chunks, pos = [], 8
+    while pos < len(png):
+        (n,) = struct.unpack(">I", png[pos:pos + 4])
+        chunks.append(png[pos:pos + 12 + n])
+        pos += 12 + n
+    exif = next(c for c in chunks if c[4:8] == b"eXIf")
+    rest = [c for c in chunks if c is not exif]
+    return png[:8] + b"".join(rest[:-1]) + exif + rest[-1]
+
+
+def test_a_png_orientation_counts_only_before_the_pixels(img):
+    """Read after the image data, it would need every pixel decoded before any size or
+    memory check (PIL's getexif loads the image to find it); torchvision's decode_image
+    reads only the chunks before the image data too."""
+    from hookserve_server.preprocess.decode import read_header
+
+    im = Image.fromarray(img)
+    exif = im.getexif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    im.save(buf, "PNG", exif=exif)
+    after = _exif_after_the_pixels(buf.getvalue())
+    h, w = img.shape[:2]
+    assert read_header(ImageInput("x", encoded=buf.getvalue()), LIMIT) == (w, h)
+    assert read_header(ImageInput("x", encoded=after), LIMIT) == (h, w)
+    np.testing.assert_array_equal(_dec(after), img)
+    tv = decode_image(torch.frombuffer(bytearray(after), dtype=torch.uint8),
+                      apply_exif_orientation=True)
+    np.testing.assert_array_equal(_dec(after), tv.permute(1, 2, 0).numpy())

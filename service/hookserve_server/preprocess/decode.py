@@ -47,10 +47,17 @@ def read_header(image: ImageInput, max_pixels: int) -> tuple[int, int]:
     img = _open(image.encoded, max_pixels)
     w, h = img.size
     try:
-        orientation = img.getexif().get(0x0112)
+        orientation = img.getexif().get(0x0112) if _exif_in_header(img) else None
     except Exception:  # a broken EXIF block: exif_transpose ignores it too
         orientation = None
     return (w, h) if orientation in _SWAPS_SIDES else (h, w)
+
+
+def _exif_in_header(img: Image.Image) -> bool:
+    """Whether the EXIF orientation can be read without decoding the pixels: a PNG's
+    eXIf chunk counts only before the image data (after it, PIL decodes every pixel to
+    find it, before any size or memory check), as `decode` applies it."""
+    return img.format != "PNG" or "exif" in img.info
 
 
 def decode(image: ImageInput, max_pixels: int) -> np.ndarray:
@@ -67,8 +74,10 @@ def decode(image: ImageInput, max_pixels: int) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             img.seek(0)  # GIF/TIFF: first frame
+            upright = _exif_in_header(img)
             img.load()
-            img = ImageOps.exif_transpose(img)
+            if upright:
+                img = ImageOps.exif_transpose(img)
             return _to_rgb_array(img)
     except InvalidArgument:
         raise
