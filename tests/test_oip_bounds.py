@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import encode, rand_image
-from helpers import small_server
+from helpers import small_server, wait_until
 
 pytest.importorskip("starlette", reason="pip install hookserve[http]")
 pytest.importorskip("uvicorn", reason="pip install hookserve[http]")
@@ -91,8 +91,6 @@ def test_request_bodies_held_at_once_are_bounded(make_server):
     import socket
 
     from hookserve_server.oip.http import BODIES
-
-    from helpers import wait_until
 
     limit = 100_000
     s = make_server(*small_server("--http-port", "0", "--max-message-bytes", str(limit)))
@@ -219,3 +217,32 @@ def test_typed_pixels_equal_raw_ones(srv):
                               response_deserializer=pb.ModelInferResponse.FromString)
         a, b = call(typed, timeout=60), call(raw, timeout=60)
     assert a.raw_output_contents[0] == b.raw_output_contents[0]
+
+
+def test_a_stalled_body_lets_go_of_what_it_holds(make_server):
+    """Bodies that stop arriving (a client stalled mid-upload) are answered 408 after
+    the body's idle limit, and their hold on the REST bodies is released."""
+    import socket
+
+    from hookserve_server.oip.http import BODIES
+
+    s = make_server(*small_server("--http-port", "0", "--max-message-bytes", "100000"))
+    http = s.server.http
+    http.body_idle_s = 0.5   # (30 s by default)
+    stalled = []
+    try:
+        for _ in range(BODIES):
+            c = socket.create_connection(("127.0.0.1", http.port))
+            c.sendall(b"POST /v2/models/resnet18/infer HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+            stalled.append(c)
+        for c in stalled:
+            c.settimeout(60)
+            answer = c.recv(4096).decode()
+            assert answer.startswith("HTTP/1.1 408"), answer
+            assert "no byte of the request body arrived for 0.5 s (1 bytes read)" in answer
+    finally:
+        for c in stalled:
+            c.close()
+    wait_until(lambda: http._held == 0, 30, "the stalled bodies let go")
+    assert infer(s, {"inputs": [GOOD]})[0] == 200

@@ -24,12 +24,12 @@ import hmac
 import math
 import socket
 import threading
-import zlib
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, HookserveError, InvalidArgument, ResourceExhausted
+from ..errors import ConfigError, HookserveError, ResourceExhausted
 from ..status import as_domain, short_message
 from . import metadata as md
+from .body_read import BODY_IDLE_S, encoding_of, read_body
 from .infer import VERSION, CallCancel
 from .rest_body import HEADER_LENGTH, encode_answer, to_call
 
@@ -113,6 +113,8 @@ class OipHttp:
         self.inference = oip.inference
         self._token = token.encode() if token else None
         self.max_body_bytes = max_body_bytes
+        #: seconds a request body may pause (BODY_IDLE_S)
+        self.body_idle_s = BODY_IDLE_S
         #: bytes of request bodies held now (read, parsed, answered): at most BODIES
         #: bodies of the largest size; their JSON is parsed one large body at a time
         self._held = 0
@@ -178,7 +180,7 @@ class OipHttp:
         after = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} \
             if err.retry_after_s else None
         return self._json({"error": short_message(err.message)},
-                          HTTP_STATUS.get(err.code, 500), after)
+                          getattr(err, "http_status", HTTP_STATUS.get(err.code, 500)), after)
 
     def _authorized(self, request) -> bool:
         if self._token is None:
@@ -264,7 +266,7 @@ class OipHttp:
         declared = request.headers.get("content-length", "")
         held = min(int(declared), self.max_body_bytes + 1) if declared.isdigit() \
             else self.max_body_bytes
-        if _encoding(request):   # and the body it expands to
+        if encoding_of(request):   # and the body it expands to
             held += self.max_body_bytes
         if not self._hold(held):
             full = ResourceExhausted(
@@ -291,7 +293,7 @@ class OipHttp:
         peer = _Peer(request.client)
         try:
             with self.inference.parsing("HTTPInfer", peer):
-                body = await self._body(request)
+                body = await read_body(request, self.max_body_bytes, self.body_idle_s)
         except HookserveError as exc:
             return self._error(exc)
         p = request.path_params
@@ -321,71 +323,3 @@ class OipHttp:
             return await self._guarded(request, infer)
         finally:
             watch.cancel()
-
-    async def _body(self, request) -> bytes:
-        limit = self.max_body_bytes
-        encoding = _encoding(request)
-        if encoding not in ("", *INFLATE):   # refused before its bytes are read
-            raise InvalidArgument(f"Content-Encoding {encoding[:40]} is not one this "
-                                  "server reads: send the body as it is, or gzip or deflate")
-        declared = request.headers.get("content-length")
-        too_big = ResourceExhausted(
-            f"the request body is over {limit} bytes, this server's limit "
-            "(--max-message-bytes): send fewer or smaller images per request")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise too_big
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_big
-        if not encoding:
-            return bytes(body)
-        from starlette.concurrency import run_in_threadpool
-
-        return await run_in_threadpool(inflate, body, encoding, limit)   # (off the loop)
-
-
-#: The Content-Encodings a request body may have (besides none).
-INFLATE = ("gzip", "deflate")
-#: The most members a gzip body may hold, and the slice it is fed to zlib in.
-MAX_MEMBERS = 64
-INFLATE_SLICE = 1 << 16
-
-
-def _encoding(request) -> str:
-    """The body's Content-Encoding, lower case; "" for none (or identity)."""
-    encoding = request.headers.get("content-encoding", "").strip().lower()
-    return "" if encoding == "identity" else encoding
-
-
-def inflate(body: bytes | bytearray, encoding: str, limit: int) -> bytes:
-    """A gzip or deflate (zlib) body as sent before compression (tritonclient's
-    request_compression_algorithm), every member of it (at most MAX_MEMBERS), held to
-    `limit` bytes as it expands; bytes after the last member are refused. The body is
-    fed in slices, so the time is linear in its size, however many members it holds."""
-    if encoding not in INFLATE:
-        raise InvalidArgument(f"Content-Encoding {encoding[:40]} is not one this server "
-                              "reads: send the body as it is, or gzip or deflate")
-    view, pos, out, members = memoryview(body), 0, bytearray(), 0
-    while pos < len(view):
-        members += 1
-        if members > MAX_MEMBERS:
-            raise InvalidArgument(f"the {encoding} body has over {MAX_MEMBERS} members: "
-                                  "compress it as one")
-        inflater = zlib.decompressobj(47)   # a zlib or gzip header, read from the data
-        while not inflater.eof and pos < len(view):
-            piece = view[pos:pos + INFLATE_SLICE]
-            try:
-                out += inflater.decompress(piece, limit + 1 - len(out))
-            except zlib.error as exc:
-                raise InvalidArgument(f"the body is not the {encoding} data its "
-                                      f"Content-Encoding says ({exc})") from None
-            if len(out) > limit:   # (the output bound reached: more was left to expand)
-                raise ResourceExhausted(
-                    f"the request body expands to over {limit} bytes, this server's "
-                    "limit (--max-message-bytes): send fewer or smaller images per request")
-            pos += len(piece) - len(inflater.unused_data)
-        if not inflater.eof:
-            raise InvalidArgument(f"the {encoding} body is cut short: send all of it")
-    return bytes(out)
