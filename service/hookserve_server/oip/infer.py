@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..calls import call_stats
-from ..errors import HookserveError, ModelNotFound, ResourceExhausted
+from ..errors import (
+    Cancelled,
+    DeadlineExceeded,
+    HookserveError,
+    ModelNotFound,
+    ResourceExhausted,
+)
 from ..spec import DType, ExtractionSpec, ImageResult
 from . import request as rq
 from .attribution import attribute, check_method
@@ -209,6 +215,12 @@ class Inference:
                 telemetry.bytes_sent(model, nbytes)
                 telemetry.image_done(model, "OK")
                 out.append(result)
+        if len(out) < len(images):   # the session stopped early: the call ended under it
+            expired = deadline is not None and time.monotonic() >= deadline
+            why = "its deadline passed" if expired else "it was cancelled"
+            raise (DeadlineExceeded if expired else Cancelled)(
+                f"the call ended before its answer: {why} with {len(out)} of "
+                f"{len(images)} images answered")
         return out
 
     def _extract(self, call: rq.InferCall, model: str, stats: dict, on_cancel,
