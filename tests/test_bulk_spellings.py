@@ -6,7 +6,8 @@ one:
   by a list and by a folder (or a tar by a list and by a folder) is one row.
 - ``--root`` applies to a sharded run (it was ignored: every path "not found", and the
   run said to run it again).
-- A ``file://`` input spelled with ``//``, ``/./`` or ``/../`` is the same input.
+- A ``file://`` input spelled with ``//``, ``/./`` or ``/../`` is the same input, given
+  on the command line or in a list or path table.
 - A folder whose name ends in ``.tar`` is a folder (it was opened as a tar, for ever
   "not finished").
 """
@@ -85,6 +86,20 @@ def test_a_file_url_spelled_otherwise_is_the_same_input(det_server, tmp_path, ca
         assert run_batch(det_server, [spelling], out, *FLAGS) == 0
         assert "done 0," in capsys.readouterr().err
         assert _ids(out) == want
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "local"])
+@pytest.mark.parametrize("listing", ["list.txt", "table.csv"])
+def test_file_urls_in_a_list_are_spelled_one_way(det_server, tmp_path, sharded, listing):
+    _images(tmp_path / "imgs" / "d0", 2, 340)
+    one = f"file://{tmp_path}/imgs/d0/00.png"
+    spellings = [one, f"file://{tmp_path}/imgs//d0/00.png", f"file://{tmp_path}/imgs/./d0/00.png",
+                 f"file://{tmp_path}/imgs/d1/../d0/00.png", f"file://{tmp_path}/imgs/d0/01.png"]
+    lst = tmp_path / listing
+    lst.write_text(("path\n" if listing.endswith(".csv") else "") + "\n".join(spellings) + "\n")
+    out = tmp_path / "o.parquet"
+    assert run_batch(det_server, [str(lst)], out, *(FLAGS if sharded else ())) == 0
+    assert _ids(out) == [one, f"file://{tmp_path}/imgs/d0/01.png"]
 
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "local"])

@@ -32,7 +32,7 @@ import stat
 from collections.abc import Iterable, Iterator
 
 from .. import errors
-from .remote import is_url
+from .remote import file_url_spelled, is_url
 
 #: Extensions picked up when walking a directory (case-insensitive).
 IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
@@ -77,7 +77,8 @@ def listed_paths(spec: str, path_column: str = "path",
     its `path_column`) names; None when `spec` is neither (a Parquet file is a table
     of images, not of paths, when `image_column` is given). A relative path is joined
     to `root` when given, and every path is normalised (``./a/../b.png`` is
-    ``b.png``), so a file has one id however a list spells it; URLs are kept as given."""
+    ``b.png``), so a file has one id however a list spells it; a ``file://`` URL's path
+    is normalised the same way (`file_url_spelled`), other URLs are kept as given."""
     ext = os.path.splitext(spec)[1].lower()
     if not os.path.isfile(spec) or (image_column and ext == ".parquet"):
         return None
@@ -87,7 +88,8 @@ def listed_paths(spec: str, path_column: str = "path",
         names = _table(spec, path_column)
     else:
         return None
-    return [p if is_url(p) else os.path.normpath(os.path.join(root or "", p)) for p in names]
+    return [file_url_spelled(p) if is_url(p) else os.path.normpath(os.path.join(root or "", p))
+            for p in names]
 
 
 def _table(path: str, column: str) -> list[str]:
