@@ -88,8 +88,8 @@ def test_odd_files_each_get_a_row_and_resume_works(fmt, odd_folder, server, tmp_
     assert rows[j("fifo.jpg")][0] == "INVALID_ARGUMENT" and "FIFO" in rows[j("fifo.jpg")][1]
     assert rows[j("sock.png")][0] == "INVALID_ARGUMENT" and "socket" in rows[j("sock.png")][1]
     assert rows["/dev/null"][0] == "INVALID_ARGUMENT" and "device" in rows["/dev/null"][1]
-    assert rows[j("loop.jpg")][0] == "NOT_FOUND"
-    assert rows[j("dangling.png")][0] == "NOT_FOUND"
+    assert rows[j("loop.jpg")][0] == "INVALID_ARGUMENT"   # (the link's, final)
+    assert rows[j("dangling.png")][0] == "INVALID_ARGUMENT"
     assert rows[j("big.png")][0] == "INVALID_ARGUMENT"
     assert "--max-file-bytes" in rows[j("big.png")][1]
     assert len(rows) == 6  # one row each, nothing else failed
@@ -240,3 +240,34 @@ def test_an_h5_output_in_a_new_folder_is_made_and_odd_places_are_named(tmp_path)
     with pytest.raises(OutputError, match="cannot write the output's lock file .*: "
                                           "choose another --out"):
         H5Sink(str(tmp_path / "file" / "o.h5"), {}).open()
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "local"])
+def test_a_link_to_nothing_is_the_inputs_own_failure(server, tmp_path, sharded):
+    """A symbolic link to a missing file, or one in a loop, fails as final: a sharded
+    run finishes its shard (it said "run it again" for ever) and says which link."""
+    from bulk_faults import read_out
+
+    root = tmp_path / "in"
+    root.mkdir()
+    (root / "ok.png").write_bytes(_png(7))
+    os.symlink("/nonexistent/x.png", root / "dangling.png")
+    os.symlink("loop.png", root / "loop.png")
+    out = tmp_path / ("o.parquet" if sharded else "o.h5")
+    extra = ["--sharded"] if sharded else []
+    r = _run(server, str(root), "--out", str(out), *extra)
+    assert r.returncode == 1, r.stderr.decode()   # some failed (final), none left open
+    if sharded:
+        ids, codes = read_out(str(out))
+        assert ids == [str(root / "ok.png")]
+        again = _run(server, str(root), "--out", str(out), *extra)
+        assert again.returncode == 1 and b"shards done 0" in again.stderr, again.stderr
+    else:
+        with open(f"{out}.errors.csv", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+        codes = {r["path"]: r["code"] for r in rows}
+        messages = " ".join(r["message"] for r in rows)
+        assert "a symbolic link to /nonexistent/x.png, which does not exist" in messages
+        assert "a symbolic link to loop.png, which loops back" in messages
+    assert codes == {str(root / "dangling.png"): "INVALID_ARGUMENT",
+                     str(root / "loop.png"): "INVALID_ARGUMENT"}

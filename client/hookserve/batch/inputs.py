@@ -246,7 +246,7 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise _os_error(exc) from None
+        raise read_error(exc, path) from None
     try:
         st = os.fstat(fd)
         what = not_regular(st.st_mode)
@@ -273,7 +273,7 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
             parts.append(b)
             n += len(b)
     except OSError as exc:
-        raise _os_error(exc) from None
+        raise read_error(exc, path) from None
     finally:
         os.close(fd)
     if n != st.st_size:
@@ -282,8 +282,20 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _os_error(exc: OSError) -> errors.HookserveError:
+def read_error(exc: OSError, path: str) -> errors.HookserveError:
+    """Why the local file `path` could not be read, typed: a symbolic link to nothing
+    (or in a loop) is the input's own failure, final, where a missing file may be there
+    on a rerun."""
     msg = f"cannot read: {exc.strerror or exc}"
+    if exc.errno in (errno.ENOENT, errno.ELOOP) and os.path.islink(path):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return errors.InvalidArgument(
+            f"a symbolic link to {target[:200]}, which "
+            + ("loops back" if exc.errno == errno.ELOOP else "does not exist")
+            + ": fix or remove the link")
     if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
         return errors.NotFound(msg)
     if exc.errno in (errno.EACCES, errno.EPERM):

@@ -38,6 +38,7 @@ from .inputs import (
     legacy_id,
     not_regular,
     parse_shard,
+    read_error,
     select_shard,
 )
 from .limits import Cap
@@ -62,7 +63,8 @@ def plan(paths: list[str], done: dict, cap: Cap | None = None
         try:
             st = os.stat(p)
         except OSError as exc:
-            failures.append((name, "NOT_FOUND", f"cannot read: {exc.strerror or exc}"))
+            err = read_error(exc, p)
+            failures.append((name, err.code.name, err.message))
             continue
         what = not_regular(st.st_mode)
         if what:  # never opened: a FIFO would block, a device never ends
