@@ -175,3 +175,32 @@ def test_a_lone_head_is_read_as_the_architectures_head(tmp_path, arch, head_in, 
     assert got.keys() == own.keys()
     assert torch.equal(got[slot.weight], sd[f"{name}.weight"])
     assert torch.equal(got[slot.bias], sd[f"{name}.bias"])
+
+
+def _corrupt_a_record(path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at:at + 100] = bytes(100)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda p: p.write_bytes(p.read_bytes()[:-300]), "is incomplete: it starts as a file "
+     "torch.save writes, but its end is missing (a copy or download cut short?): copy it "
+     "again"),
+    (lambda p: p.write_bytes(p.read_bytes()[:1000]), "is incomplete"),
+    (lambda p: _corrupt_a_record(p, p.stat().st_size // 2), "is damaged: its record "),
+])
+def test_a_file_cut_short_or_damaged_is_refused_not_served(tmp_path, weights, damage, words):
+    path = tmp_path / "w.pt"
+    torch.save(weights, path)
+    damage(path)
+    with pytest.raises(ConfigError) as err:
+        read_state_dict(path, "resnet18", weights.keys())
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_torch_save_file_named_safetensors_is_read_as_what_it_is(tmp_path, weights):
+    path = tmp_path / "w.safetensors"
+    torch.save(weights, path)
+    got = read_state_dict(path, "resnet18", weights.keys())
+    assert all(torch.equal(got[k], weights[k]) for k in weights)

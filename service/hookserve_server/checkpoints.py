@@ -1,8 +1,8 @@
 """Weights files as users save them: a state_dict read without running code from the
 file, normalised, its classifier head's size read off, and checked against the model.
 
-- ``.safetensors`` is read with the ``safetensors`` package (never unpickled);
-  anything else with ``torch.load(weights_only=True)``.
+- The file is read without running code from it (`weights_file.read_file`:
+  safetensors, or ``torch.load(weights_only=True)``, its archive's checksums checked).
 - A training checkpoint that nests the state_dict (``{"state_dict": ...}``,
   ``{"model": ...}``, ``{"model_state_dict": ...}``) is unwrapped, torchvision's
   reference scripts' (``{"model", "optimizer", "lr_scheduler", "epoch", "args"}``, the
@@ -25,13 +25,8 @@ file, normalised, its classifier head's size read off, and checked against the m
 
 from __future__ import annotations
 
-import argparse
 import collections
-import functools
 import logging
-import re
-import warnings
-import zipfile
 from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
@@ -40,15 +35,10 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .weights_file import SAVE_HINT, read_file
 
 log = logging.getLogger(__name__)
 
-#: How to write a file hookserve loads, ending every weights-file error.
-SAVE_HINT = "save the weights alone with torch.save(model.state_dict(), PATH)"
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-#: Classes a checkpoint may hold beside its tensors that unpickle as plain data, no
-#: code run: torchvision's reference training scripts save their argparse arguments.
-SAFE_GLOBALS = [argparse.Namespace]
 #: Keys under which training scripts nest the state_dict, tried in this order.
 NESTED_KEYS = ("state_dict", "model_state_dict", "model",
                # an exponential moving average alone (torchvision's reference scripts,
@@ -58,80 +48,6 @@ NESTED_KEYS = ("state_dict", "model_state_dict", "model",
 BN_COUNTER = ".num_batches_tracked"
 #: How many dot-separated parts a prefix (`under_prefix`) may have.
 PREFIX_DEPTH = 3
-SAFETENSORS_SUFFIX = ".safetensors"
-
-
-@functools.cache
-def _allow_safe_globals() -> None:
-    """Let torch.load(weights_only=True) rebuild SAFE_GLOBALS, once per process."""
-    torch.serialization.add_safe_globals(SAFE_GLOBALS)
-
-
-def _looks_safetensors(path: Path) -> bool:
-    """Whether a file starts as safetensors do (an 8-byte header length, then a JSON
-    object), whatever its name."""
-    try:
-        with path.open("rb") as fh:
-            head = fh.read(9)
-    except OSError:
-        return False
-    return len(head) == 9 and head[8:9] == b"{" and \
-        0 < int.from_bytes(head[:8], "little") < path.stat().st_size
-
-
-def _load_error(path: Path, exc: Exception) -> str:
-    """torch.load's refusal as one line that says what to do. torch's own message is
-    many lines (with terminal colour codes) and suggests loading with weights_only=False,
-    which hookserve never does: it would run code from the file."""
-    text = _ANSI.sub("", str(exc))
-    if not zipfile.is_zipfile(path) and not _starts_as_pickle(path):
-        return (f"could not load weights file {path} as a state_dict (it is not a file "
-                f"torch.save writes); {SAVE_HINT}")
-    if found := re.search(r"GLOBAL ([\w.]+)", text):
-        name = found.group(1)
-        what = f"a pickled {name}"
-        if ".nn." in name or ".models." in name:
-            what += " (a whole model, saved with torch.save(model))"
-        return (f"weights file {path} holds {what}, not a state_dict (a dict of tensors): "
-                f"hookserve runs no code from a weights file; {SAVE_HINT}")
-    if "TorchScript" in text:
-        return (f"weights file {path} is a TorchScript archive (torch.jit.save: a "
-                f"program), not a state_dict: hookserve runs no code from a weights "
-                f"file; {SAVE_HINT}")
-    if not zipfile.is_zipfile(path):
-        reason = "it is not a file torch.save writes"
-    elif found := re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S):
-        reason = found.group(1)
-    else:
-        reason = f"{type(exc).__name__}: {text}"
-    reason = " ".join(reason.split())[:200]
-    return f"could not load weights file {path} as a state_dict ({reason}); {SAVE_HINT}"
-
-
-def _starts_as_pickle(path: Path) -> bool:
-    """Whether a file begins as a pickle of protocol 2 or later does (torch.save's
-    format before its zip archives); a text file read as a pickle gives nonsense."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(1) == b"\x80"
-    except OSError:
-        return False
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise ConfigError(f"weights file {path} is a .safetensors file and the safetensors "
-                          "package is not installed: pip install 'hookserve[server]' "
-                          "(or pip install safetensors)") from None
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as exc:  # safetensors' own error type differs between versions
-        reason = " ".join(str(exc).split())[:200]
-        raise ConfigError(f"could not load weights file {path} as safetensors ({reason}); "
-                          "write it with safetensors.torch.save_file(model.state_dict(), "
-                          "PATH)") from None
 
 
 class HeadSlot(NamedTuple):
@@ -261,16 +177,7 @@ def read_state_dict(path: Path, arch: str, keys: Collection[str] = (),
     `keys` and its head's `slot`); ConfigError in one line."""
     if not path.is_file():
         raise ConfigError(f"weights file {path} does not exist (for model {arch})")
-    if path.suffix.lower() == SAFETENSORS_SUFFIX or _looks_safetensors(path):
-        return normalise(_read_safetensors(path), path, keys, slot)
-    try:
-        with warnings.catch_warnings():  # torch's notes on the pickle; errors are ours
-            warnings.simplefilter("ignore")
-            _allow_safe_globals()
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ConfigError(_load_error(path, exc)) from None
-    return normalise(obj, path, keys, slot)
+    return normalise(read_file(path), path, keys, slot)
 
 
 def head_keys(model: nn.Module, num_classes: int) -> list[str]:
