@@ -204,3 +204,25 @@ def test_a_torch_save_file_named_safetensors_is_read_as_what_it_is(tmp_path, wei
     torch.save(weights, path)
     got = read_state_dict(path, "resnet18", weights.keys())
     assert all(torch.equal(got[k], weights[k]) for k in weights)
+
+
+def test_a_class_name_may_hold_any_character_but_a_line_end(tmp_path):
+    names = ["plain", "line\u2028separated", "next\x85line", "form\x0cfeed", "last"]
+    path = tmp_path / "labels.txt"
+    path.write_text("\r\n".join(names) + "\r\n", encoding="utf-8")
+    assert read_labels(path) == tuple(names)
+
+
+def test_labels_in_a_model_file_are_named_as_the_model_files(tmp_path):
+    torch.manual_seed(0)
+    torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), tmp_path / "w.pt")
+    (tmp_path / "two.txt").write_text("a\nb\n")
+    (tmp_path / "m.toml").write_text(f'[[model]]\narchitecture = "resnet18"\n'
+                                     f'weights = "{tmp_path / "w.pt"}"\n'
+                                     f'labels = "{tmp_path / "two.txt"}"\n')
+    with pytest.raises(ConfigError) as err:
+        RunningServer(["--models", str(tmp_path / "m.toml")], start=False)
+    assert str(err.value).startswith(f"model resnet18 in {tmp_path / 'm.toml'}: labels "
+                                     f"{tmp_path / 'two.txt'} has 2 class names but the "
+                                     "weights of resnet18 have 3 classes")
+    assert "--labels" not in str(err.value)

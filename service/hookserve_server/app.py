@@ -116,7 +116,8 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
             if not args.models:
                 raise
             raise ConfigError(f"model {name} in {args.models}: {exc}") from None
-        labels = model_labels(name, e.arch, info.source, info.num_classes, e.labels)
+        labels = model_labels(name, e.arch, info.source, info.num_classes, e.labels,
+                              args.models if args.models and e.labels else "")
         cl = channels_last(args.memory_format, args.channels_last, e.arch, dev)
         defaults = e.preprocessing_over(defaults_for(e.arch))
         try:

@@ -166,8 +166,9 @@ def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path,
 def _with_head(sd: dict[str, torch.Tensor], head: dict[str, str], path: Path
                ) -> dict[str, torch.Tensor]:
     """`sd` with the `lone_head` keys renamed to the head's."""
-    log.info("weights file %s: %s read as the classifier head (%s)", path,
-             ", ".join(head), ", ".join(head.values()))
+    log.warning("weights file %s: %s, beside a backbone without its head, served as its "
+                "classifier head (%s); if it is no classifier (a projection), save the "
+                "backbone alone", path, ", ".join(head), ", ".join(head.values()))
     return {head.get(k, k): v for k, v in sd.items()}
 
 

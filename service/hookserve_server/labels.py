@@ -44,7 +44,7 @@ def labels_per_model(models: list[str], specs: Iterable[str]) -> dict[str, Path]
 _INDEXED = re.compile(r"^(\d+)\s*[,\t]\s*(.*)$")
 
 
-def read_labels(path: Path) -> tuple[str, ...]:
+def read_labels(path: Path, what: str = "--labels file") -> tuple[str, ...]:
     """Class names in class-index order: one a line (trailing blank lines ignored), or
     ``index,name`` lines numbered from 0, or JSON: a list of names, or an object from
     indices to names (``{"0": "tench"}``, or ``{"0": ["n01440764", "tench"]}`` as in
@@ -58,7 +58,7 @@ def read_labels(path: Path) -> tuple[str, ...]:
     try:
         text = raw.decode("utf-16" if utf16 else "utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"--labels file {path} is not UTF-8 (byte {exc.start} is "
+        raise ConfigError(f"{what} {path} is not UTF-8 (byte {exc.start} is "
                           f"{raw[exc.start:exc.start + 1]!r}): save it as UTF-8") from None
     if text.lstrip()[:1] in ("[", "{"):
         try:
@@ -66,12 +66,15 @@ def read_labels(path: Path) -> tuple[str, ...]:
         except ValueError:   # a plain file whose first name starts so ("[background]")
             data = None
         if isinstance(data, (list, dict)):
-            return _json_labels(path, data)
-    lines = [line.strip() for line in text.splitlines()]
+            return _json_labels(path, data, what)
+    # (lines end at \n, \r\n or \r only: str.splitlines also splits at U+2028 and the
+    # like, which a class name may hold)
+    lines = [line.strip() for line in
+             text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
     while lines and not lines[-1]:
         lines.pop()
     if "" in lines:
-        raise ConfigError(f"--labels file {path}: line {lines.index('') + 1} is empty "
+        raise ConfigError(f"{what} {path}: line {lines.index('') + 1} is empty "
                           "(one class name a line)")
     for head in (0, 1):   # a CSV of index,name, with or without a header row
         found = [_INDEXED.match(line) for line in lines[head:]]
@@ -90,18 +93,18 @@ def _unquoted(name: str) -> str:
     return name
 
 
-def _json_labels(path: Path, data: list | dict) -> tuple[str, ...]:
+def _json_labels(path: Path, data: list | dict, what: str) -> tuple[str, ...]:
     hint = ('a list of names, or an object from class indices to names ({"0": "tench", '
             '...} or {"0": ["n01440764", "tench"], ...})')
     if isinstance(data, dict):
         if sorted(data, key=lambda k: (len(k), k)) != [str(i) for i in range(len(data))]:
-            raise ConfigError(f"--labels file {path}: the keys of its JSON object must be "
+            raise ConfigError(f"{what} {path}: the keys of its JSON object must be "
                               f"the class indices 0 to {len(data) - 1}: give {hint}")
         data = [data[str(i)] for i in range(len(data))]
     names = [v[-1] if isinstance(v, list) and v else v for v in data] \
         if isinstance(data, list) else None
     if names is None or not all(isinstance(n, str) and n.strip() for n in names):
-        raise ConfigError(f"--labels file {path}: its JSON is not {hint}")
+        raise ConfigError(f"{what} {path}: its JSON is not {hint}")
     return tuple(n.strip() for n in names)
 
 
@@ -114,20 +117,23 @@ def imagenet_labels(arch: str) -> tuple[str, ...]:
 
 
 def model_labels(model: str, arch: str, source: str, num_classes: int,
-                 path: Path | None) -> tuple[str, ...]:
-    """A served model's class names: the `--labels` file, else the ImageNet names for
-    torchvision's own weights, else none. A count that differs from the head's is a
-    ConfigError."""
+                 path: Path | None, in_file: str = "") -> tuple[str, ...]:
+    """A served model's class names: the `--labels` file (or the `labels` of its entry
+    in the model file `in_file`), else the ImageNet names for torchvision's own
+    weights, else none. A count that differs from the head's is a ConfigError."""
     if path is None:
         names = imagenet_labels(arch) if source == "imagenet" else ()
         return names if len(names) == num_classes else ()
+    given = f"model {model} in {in_file}: labels {path}" if in_file \
+        else f"--labels {model}={path}"
     if num_classes == 0:   # a model served without its head
-        raise ConfigError(f"--labels {model}={path}: the weights of {model} hold no "
+        raise ConfigError(f"{given}: the weights of {model} hold no "
                           "classifier head, so it has no classes to name: drop the labels "
                           "or serve weights with a head")
-    names = read_labels(path)
+    names = read_labels(path, f"model {model} in {in_file}: labels file" if in_file
+                        else "--labels file")
     if len(names) != num_classes:
-        raise ConfigError(f"--labels {model}={path} has {len(names)} class "
+        raise ConfigError(f"{given} has {len(names)} class "
                           f"name{'s' if len(names) != 1 else ''} but the weights of "
                           f"{model} have {num_classes} classes: give one name per class, "
                           "one a line (or as JSON, or index,name lines)")
