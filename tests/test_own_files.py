@@ -226,3 +226,23 @@ def test_labels_in_a_model_file_are_named_as_the_model_files(tmp_path):
                                      f"{tmp_path / 'two.txt'} has 2 class names but the "
                                      "weights of resnet18 have 3 classes")
     assert "--labels" not in str(err.value)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda m: __import__("torch.nn.utils.prune").nn.utils.prune.l1_unstructured(
+        m.conv1, "weight", 0.5),
+     "it holds pruned weights (conv1.weight_orig, conv1.weight_mask): make the pruning "
+     "permanent before saving, torch.nn.utils.prune.remove(module, 'weight')"),
+    (lambda m: torch.nn.utils.parametrizations.weight_norm(m.fc),
+     "it holds reparametrized weights (fc.parametrizations.weight.original0, "
+     "fc.parametrizations.weight.original1): remove the parametrization before saving"),
+])
+def test_pruned_or_reparametrized_weights_say_how_to_save_them(tmp_path, change, words):
+    from hookserve_server.models import build_model
+
+    m = torchvision.models.resnet18(num_classes=4)
+    change(m)
+    torch.save(m.state_dict(), tmp_path / "w.pt")
+    with pytest.raises(ConfigError) as err:
+        build_model("resnet18", str(tmp_path / "w.pt"))
+    assert words in str(err.value)

@@ -264,6 +264,19 @@ def linear_head(model: nn.Module, sd: dict, head: tuple[str, ...]) -> str:
     return ""
 
 
+def _reparametrized(unexpected: list[str]) -> str | None:
+    """Why keys of a pruned or reparametrized module do not load, said with the fix."""
+    if pruned := [k for k in unexpected if k.endswith(("_orig", "_mask"))]:
+        return ("it holds pruned weights (" + ", ".join(pruned[:2]) + "): make the "
+                "pruning permanent before saving, torch.nn.utils.prune.remove(module, "
+                "'weight') for each pruned module")
+    if kept := [k for k in unexpected if ".parametrizations." in k]:
+        return ("it holds reparametrized weights (" + ", ".join(kept[:2]) + "): "
+                "remove the parametrization before saving, torch.nn.utils.parametrize."
+                "remove_parametrizations(module, 'weight')")
+    return None
+
+
 def _completed(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
                ) -> collections.OrderedDict:
     """`sd` with what a file may lack taken from the model's own state_dict `own`:
@@ -286,7 +299,8 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
     unexpected = [k for k in sd if k not in own]
     wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
              for k in own if k in sd and sd[k].shape != own[k].shape]
-    why = None if wrong else _head_mismatch(missing, unexpected, head, arch)
+    why = _reparametrized(unexpected) or (
+        None if wrong else _head_mismatch(missing, unexpected, head, arch))
     if why:
         raise ConfigError(f"{where}: {why}")
     if missing or unexpected or wrong:
