@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import numpy as np
 import pytest
@@ -184,6 +185,10 @@ def test_a_connection_that_fails_says_what_to_change(make_server):
             c.list_models()
         r = hs("describe", "--server", dead, "--timeout", "30")
         assert r.returncode == 1 and "nothing listens there" in r.stderr, r.stderr
+    with hookserve.Client("no-such-host.invalid:50051", timeout=30, retries=0) as c, \
+            pytest.raises(hookserve.errors.Unavailable, match="the host name does not "
+                                                              "resolve: check its spelling"):
+        c.list_models()
     s = make_server("--model", "resnet18", "--weights", "random", "--metrics-port", "0")
     with hookserve.Client(f"127.0.0.1:{s.metrics_port}", timeout=30, retries=0) as c, \
             pytest.raises(hookserve.errors.Unavailable, match="that port speaks HTTP/1, "
@@ -240,3 +245,53 @@ def test_a_file_over_the_clients_send_limit_is_refused_from_its_size(server, tmp
             in str(err)
         assert "grpc.max_send_message_length" in str(err)
     assert ok.error is None
+
+
+def test_bfloat16_widening_takes_bit_patterns_only():
+    bits = np.array([0x3FC0, 0x4000], np.uint16)   # 1.5, 2.0
+    np.testing.assert_array_equal(hookserve.bfloat16_to_float32(bits), [1.5, 2.0])
+    for wrong in (np.array([1.5], np.float32), np.array([1.5], np.float16)):
+        with pytest.raises(TypeError, match=f"not {wrong.dtype}: an array that is float "
+                                            "already needs no widening"):
+            hookserve.bfloat16_to_float32(wrong)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda c: c.extract(SMALL, "layer4,fc"), ValueError,
+     "give several layers as a list, e.g. ['layer4', 'fc']"),
+    (lambda c: c.extract(SMALL, ["layer4:avg"]), ValueError,
+     "give a reduction as an option, e.g. {'layer4': {'reduction': 'avg'}}"),
+    (lambda c: c.extract(SMALL, 4), TypeError, "layers are a name, a list of names"),
+    (lambda c: c.extract([SMALL, SMALL], ["fc"]), hookserve.InvalidArgument,
+     "several images go to extract_many"),
+    (lambda c: c.extract(np.ascontiguousarray(SMALL.transpose(2, 0, 1)), ["fc"]),
+     hookserve.InvalidArgument, "channels first, a.transpose(1, 2, 0) makes it HxWxC"),
+    (lambda c: c.attribute(SMALL, "grad_cam"), ValueError,
+     "'grad_cam' is an attribution method, given where the layer goes: "
+     "attribute(image, method='grad_cam')"),
+    (lambda c: c.attribute(SMALL, target="cat"), ValueError,
+     "target of image 0 must be a class index or None, got 'cat'"),
+    (lambda c: c.attribute(SMALL, target=float("nan")), ValueError,
+     "target of image 0 must be a class index or None, got nan"),
+])
+def test_a_call_spelled_as_elsewhere_says_the_sdks_spelling(server, call, error, words):
+    with server.client() as c, pytest.raises(error) as err:
+        call(c)
+    assert words in str(err.value)
+
+
+def test_a_torch_tensor_image_says_how_to_pass_it(server):
+    torch = pytest.importorskip("torch")
+    with server.client() as c, pytest.raises(hookserve.InvalidArgument,
+                                             match=r"img.permute\(1, 2, 0\)"):
+        c.extract(torch.zeros(3, 8, 8), ["fc"])
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"token": 123}, "token is the server's bearer token as a str, not int"),
+    ({"retries": -1}, "retries is how many times a failed call is tried again, 0 or more"),
+    ({"retry_backoff": float("nan")}, "retry_backoff is the first wait in seconds"),
+])
+def test_client_settings_out_of_their_kind_are_refused(kw, words):
+    with pytest.raises((TypeError, ValueError), match=re.escape(words)):
+        hookserve.Client("localhost:1", **kw)

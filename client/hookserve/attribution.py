@@ -187,6 +187,9 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
                            crop: Size | None = None) -> pb.AttributionSpec:
     """The wire AttributionSpec (raises ValueError on options that cannot be encoded;
     the server checks the rest: the layer, method/layer pairing, the cost cap)."""
+    if isinstance(layer, str) and layer in METHODS and method == "grad_cam":
+        raise ValueError(f"{layer!r} is an attribution method, given where the layer goes: "
+                         f"attribute(image, method={layer!r})")
     for what, value, table in (("method", method, METHODS), ("score", score, SCORES),
                                ("baseline", baseline, BASELINES)):
         if value not in table:
@@ -261,9 +264,12 @@ class AttributionRun(Extraction):
         t = next(self.targets, missing)
         if t is missing:
             raise ValueError(f"targets has fewer items than images (ran out at image {index})")
-        if t is not None and (isinstance(t, bool) or int(t) != t):
+        if t is not None and (isinstance(t, bool) or not isinstance(
+                t, (int, float, np.integer, np.floating)) or not np.isfinite(t)
+                or int(t) != t):
             raise ValueError(f"target of image {index} must be a class index or None, "
-                             f"got {t!r}")
+                             f"got {t!r} (`hookserve describe` and ModelInfo.labels give "
+                             "each class's index)")
         return None if t is None else int(t)
 
     def _encode(self, obj: Any, wire_id: str, extra: int | None) -> bytes:

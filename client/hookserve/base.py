@@ -136,6 +136,16 @@ class ClientBase:
                  retry_backoff: float = FIRST_BACKOFF,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
         token = token if token is not None else os.environ.get("HOOKSERVE_TOKEN")
+        if token is not None and not isinstance(token, str):
+            raise TypeError(f"token is the server's bearer token as a str, not "
+                            f"{type(token).__name__}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries is how many times a failed call is tried again, "
+                             f"0 or more, got {retries!r}")
+        if isinstance(retry_backoff, bool) or not isinstance(retry_backoff, (int, float)) \
+                or not 0 <= retry_backoff < float("inf"):
+            raise ValueError(f"retry_backoff is the first wait in seconds before a retry, "
+                             f"0 or more, got {retry_backoff!r}")
         self._endpoints = Endpoints(
             target, token=token, root_certificates=root_certificates,
             certificate_chain=certificate_chain, private_key=private_key,

@@ -128,7 +128,8 @@ def _connect_hint(details: str) -> str:
     if "Connection refused" in details:
         return (" (nothing listens there: start `hookserve serve`, or give the host and "
                 "port it serves on; its port is 50051 unless --port says otherwise)")
-    if "DNS resolution failed" in details:
+    if any(words in details for words in ("DNS resolution failed", "errors resolving",
+                                          "Domain name not found", "hostname lookup")):
         return " (the host name does not resolve: check its spelling)"
     return ""
 

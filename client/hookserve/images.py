@@ -66,9 +66,15 @@ def to_image(obj: Any, image_id: str, limit: int | None = None) -> pb.Image:
         obj = _pil_rgb(obj)
     if isinstance(obj, np.ndarray):
         return _array_image(obj, image_id)
+    hint = ""
+    if isinstance(obj, (list, tuple)):
+        hint = " (several images go to extract_many / attribute_many, one at a time here)"
+    elif type(obj).__module__.split(".")[0] == "torch":
+        hint = (" (a CxHxW tensor: img.permute(1, 2, 0).cpu().numpy() as uint8 0..255, or "
+                "the image file's path or bytes)")
     raise TypeError(
         f"unsupported image type {type(obj).__name__}: pass a path, encoded bytes, "
-        "a PIL image or an HxWx3 uint8 numpy array")
+        f"a PIL image or an HxWx3 uint8 numpy array{hint}")
 
 
 def _pil_rgb(img: Any) -> np.ndarray:
@@ -111,8 +117,11 @@ def _array_image(a: np.ndarray, image_id: str) -> pb.Image:
     elif a.ndim == 3 and a.shape[2] == 4:
         a = a[:, :, :3]
     if a.ndim != 3 or a.shape[2] != 3:
+        chw = a.ndim == 3 and a.shape[0] in (1, 3, 4) and a.shape[2] > 4
         raise TypeError(f"array images must be HxWx3 (RGB), HxWx4, HxWx1 or HxW (grey), "
-                        f"got shape {a.shape}")
+                        f"got shape {a.shape}"
+                        + (": channels first, a.transpose(1, 2, 0) makes it HxWxC"
+                           if chw else ""))
     h, w = a.shape[:2]
     raw = pb.RawImage(pixels=np.ascontiguousarray(a).tobytes(), height=h, width=w)
     return pb.Image(id=image_id, raw=raw)

@@ -10,6 +10,11 @@ from .v1 import hookserve_pb2 as pb
 
 def bfloat16_to_float32(a: np.ndarray) -> np.ndarray:
     """Widen bfloat16 bit patterns (uint16) to float32 exactly."""
+    a = np.asarray(a)
+    if a.dtype != np.uint16:
+        raise TypeError(f"bfloat16_to_float32 takes bfloat16 bit patterns (a uint16 array, "
+                        f"as a bfloat16 layer's answer comes), not {a.dtype}: an array "
+                        "that is float already needs no widening")
     return (a.astype(np.uint32) << 16).view(np.float32)
 
 

@@ -202,6 +202,10 @@ def build_layers(layers: str | Layer | Sequence[str | Layer] | Mapping[str, Any]
     defaults = {"reduction": reduction, "dtype": dtype, "l2_normalize": l2_normalize}
     if isinstance(layers, (str, Layer)):
         layers = [layers]
+    elif not isinstance(layers, (Mapping, Sequence)) or isinstance(layers, (bytes, bytearray)):
+        raise TypeError(f"layers are a name, a list of names or Layers, or a dict of name "
+                        f"to options, not {type(layers).__name__}: e.g. ['layer4'] or "
+                        "{'layer4': {'reduction': 'avg'}}")
     out: list[Layer] = []
     if isinstance(layers, Mapping):
         for name, opts in layers.items():
@@ -215,10 +219,26 @@ def build_layers(layers: str | Layer | Sequence[str | Layer] | Mapping[str, Any]
             out.append(Layer(name, **{**defaults, **(opts or {})}))
     else:
         for item in layers:
-            out.append(item if isinstance(item, Layer) else Layer(str(item), **defaults))
+            out.append(item if isinstance(item, Layer) else Layer(_one_name(item), **defaults))
     if not out:
         raise ValueError("give at least one layer")
     return out
+
+
+def _one_name(item: Any) -> str:
+    """A layer name as given in a list, refused where it is the CLI's spelling of
+    several layers or of a layer's options (which the SDK takes as a dict)."""
+    name = str(item)
+    if "," in name:
+        raise ValueError(f"layer {name[:100]!r}: give several layers as a list, e.g. "
+                         f"{[n.strip() for n in name.split(',')][:3]!r} (a comma "
+                         "separates them on the command line only)")
+    head, _, last = name.rpartition(":")
+    if head and last in REDUCTIONS:
+        raise ValueError(f"layer {name[:100]!r}: give a reduction as an option, e.g. "
+                         f"{{{head!r}: {{'reduction': {last!r}}}}} or reduction={last!r} "
+                         "(the command line's `layer:reduction` is its own spelling)")
+    return name
 
 
 def parse_size(value: Any, what: str = "size") -> tuple[int, int]:
