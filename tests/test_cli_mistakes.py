@@ -217,3 +217,14 @@ main(["models"])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 130 and r.stderr == "interrupted\n", r.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--server", "localhost:1", "describe"], "--server goes after the command: hookserve "
+     "describe --server ... (`hookserve describe --help` lists its flags)"),
+    (["--verison"], "unrecognized argument --verison: give a command first"),
+    (["-v"], "unrecognized argument -v: give a command first"),
+])
+def test_a_flag_before_the_command_says_where_it_goes(argv, words):
+    r = hs(*argv)
+    assert r.returncode == 2 and words in r.stderr, r.stderr

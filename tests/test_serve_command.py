@@ -239,3 +239,18 @@ def test_every_start_up_error_becomes_one_line():
     line = startup_error(RuntimeError("boom\n" + "x" * 1000))
     assert line.startswith("cannot start: RuntimeError: boom x") and "\n" not in line
     assert line.endswith("(--log-level DEBUG logs the traceback)") and len(line) < 400
+
+
+def test_torchs_own_info_records_stay_out_of_the_servers_log():
+    """torch logs its compiler's statistics at INFO when the process exits (after an
+    interrupted start-up too): an operator's log shows hookserve's records, and torch's
+    warnings."""
+    code = ("import logging; from hookserve_server.logs import setup_logging; "
+            "setup_logging('INFO', 'text'); "
+            "logging.getLogger('torch._subclasses.fake_tensor').info('cache_hits: 0'); "
+            "logging.getLogger('torch').warning('a warning of torch'); "
+            "logging.getLogger('hookserve').info('ours')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert "ours" in r.stderr and "a warning of torch" in r.stderr, r.stderr
+    assert "cache_hits" not in r.stderr

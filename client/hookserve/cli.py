@@ -168,10 +168,30 @@ class CommandParser(argparse.ArgumentParser):
         return namespace, extra
 
 
+class TopParser(argparse.ArgumentParser):
+    """The top-level parser: a flag before the command (``hookserve --server X
+    describe``, or a mistyped ``--verison``) is named, with where it goes (argparse
+    would call the flag's value an invalid command, or only say a command is
+    needed)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+            commands = self._subparsers._group_actions[0].choices if self._subparsers else {}
+            cmd = next((a for a in argv if a in commands), None)
+            flag = argv[0].split("=", 1)[0]
+            if cmd is not None:
+                self.error(f"{flag} goes after the command: hookserve {cmd} {flag} ... "
+                           f"(`hookserve {cmd} --help` lists its flags)")
+            self.error(f"unrecognized argument {flag}: give a command first "
+                       "(`hookserve --help` lists them), then its flags")
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(
+    p = TopParser(
         prog="hookserve",
         description="Remote feature extraction from torchvision CNNs over gRPC.")
     p.add_argument("--version", action="version", version=f"hookserve {__version__}",

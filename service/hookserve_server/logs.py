@@ -93,5 +93,8 @@ def setup_logging(level: str, fmt: str = "auto") -> str:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # torch's own INFO records (its compiler's statistics, printed at exit even when
+    # start-up was interrupted) are its developers', not an operator's: warnings up
+    logging.getLogger("torch").setLevel(max(logging.WARNING, root.level))
     logging.captureWarnings(True)  # Python warnings too, in the same format
     return fmt
