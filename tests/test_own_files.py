@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import csv
+import re
 
 import numpy as np
 import pytest
@@ -246,3 +247,13 @@ def test_pruned_or_reparametrized_weights_say_how_to_save_them(tmp_path, change,
     with pytest.raises(ConfigError) as err:
         build_model("resnet18", str(tmp_path / "w.pt"))
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--host", "localhost:5"], "give the host alone (localhost), and the port with --port"),
+    (["--weights", "{tmp}"], "is a folder, not a file: give the weights file in it"),
+])
+def test_serve_flags_given_in_the_wrong_shape_say_the_right_one(tmp_path, flags, words):
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        RunningServer(["--model", "resnet18", *flags], start=False)

@@ -66,9 +66,21 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
+def _is_ipv6(host: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6, host.strip("[]"))
+    except OSError:
+        return False
+    return True
+
+
 def check_bindable(host: str, port: int, flag: str) -> None:
     """ConfigError unless `host:port` could be listened on now: the port is free (no
     other process listens there), allowed, and the address is this machine's."""
+    bare = host.strip("[]")
+    if ":" in bare and not _is_ipv6(bare):   # host:port given as the host
+        raise ConfigError(f"--host {host.strip('[]')} holds a port: give the host alone "
+                          f"({bare.rsplit(':', 1)[0]}), and the port with {flag}")
     if port == 0:
         return
     try:
@@ -219,9 +231,10 @@ def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
                 out[m] = spec
     for m, v in out.items():
         if v not in WEIGHT_CHOICES and not Path(v).expanduser().is_file():
-            raise ConfigError(
-                f"--weights for {m}: {v!r} is neither auto/imagenet/random nor an existing "
-                "file")
+            what = ("a folder, not a file: give the weights file in it"
+                    if Path(v).expanduser().is_dir()
+                    else "neither auto/imagenet/random nor an existing file")
+            raise ConfigError(f"--weights for {m}: {v!r} is {what}")
     return out
 
 

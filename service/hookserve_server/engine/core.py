@@ -215,7 +215,7 @@ class Engine:
         except KeyError:
             raise ModelNotFound(
                 f"unknown model {name!r}: this server holds {', '.join(self.models)} "
-                "(see ListModels)") from None
+                "(ListModels; `hookserve models` on the command line)") from None
 
     def describe(self, name: str, height: int = 0, width: int = 0
                  ) -> tuple[ServedModel, tuple[int, int], list[LayerInfo]]:

@@ -102,7 +102,8 @@ def _open(data: bytes | None, max_pixels: int) -> Image.Image:
             f"{data[:8].hex()}): send JPEG, PNG, WebP, BMP, TIFF or GIF"
         ) from None
     except Exception as exc:  # PIL raises many types on malformed headers
-        raise InvalidArgument(f"image header could not be read: {exc}") from None
+        raise InvalidArgument(f"image header could not be read: {exc} (is the file "
+                              "cut short? send all of it)") from None
     fmt = img.format or "unknown"
     if fmt not in ALLOWED_FORMATS:
         raise InvalidArgument(
