@@ -246,3 +246,29 @@ def test_a_stalled_body_lets_go_of_what_it_holds(make_server):
             c.close()
     wait_until(lambda: http._held == 0, 30, "the stalled bodies let go")
     assert infer(s, {"inputs": [GOOD]})[0] == 200
+
+
+@pytest.mark.parametrize("field, value, owner", [
+    ("ig_steps", 5, "integrated_gradients"), ("sg_samples", 3, "smooth_grad"),
+    ("sg_sigma", 0.2, "smooth_grad"), ("ig_baseline", 2, "integrated_gradients"),
+])
+def test_the_native_api_refuses_another_methods_option_as_the_oip_does(srv, field, value,
+                                                                        owner):
+    """A grad_cam spec with integrated gradients' steps set: refused by name (it was
+    ignored; the Open Inference Protocol's door refused it)."""
+    import grpc
+
+    from hookserve.v1 import hookserve_pb2 as hpb
+    from hookserve.v1 import hookserve_pb2_grpc as hgrpc
+    spec = hpb.AttributionSpec(model="resnet18", layer="layer4",
+                               method=hpb.ATTRIBUTION_METHOD_GRAD_CAM, **{field: value})
+    image = hpb.AttributeImage(image=hpb.Image(id="a", encoded=IMG))
+    with grpc.insecure_channel(srv.address) as ch:
+        call = hgrpc.FeatureExtractorStub(ch).Attribute(
+            iter([hpb.AttributeRequest(spec=spec), hpb.AttributeRequest(image=image)]),
+            timeout=60)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"AttributionSpec.{field} is an option of {owner}, not of grad_cam" \
+        in err.value.details()
