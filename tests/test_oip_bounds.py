@@ -272,3 +272,12 @@ def test_the_native_api_refuses_another_methods_option_as_the_oip_does(srv, fiel
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"AttributionSpec.{field} is an option of {owner}, not of grad_cam" \
         in err.value.details()
+
+
+def test_typed_values_in_another_types_field_name_the_right_one(srv):
+    req = _request(INPUT__0=("UINT8", [1, 2, 2, 3]))
+    req.inputs[0].contents.fp32_contents.extend([0.5] * 12)
+    code, details = _model_infer(srv, req)
+    assert code == "INVALID_ARGUMENT"
+    assert "input 'INPUT__0': a UINT8 input's values go in uint_contents, not " \
+           "fp32_contents (or send raw_input_contents)" in details, details

@@ -286,10 +286,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="also serve the Open Inference Protocol's REST routes (KServe v2: /v2/...) "
               "on this port (0 picks one), on the same host, token and TLS; off when "
               "unset. Needs the http extra (starlette, uvicorn)")
-    _add(g, "--max-message-bytes", default=64 * MiB, type=int, metavar="BYTES",
+    _add(g, "--max-message-bytes", default=64 * MiB, type=byte_size, metavar="SIZE",
          help="largest request message the server accepts (one encoded image plus "
               "framing); larger ones get RESOURCE_EXHAUSTED")
-    _add(g, "--chunk-bytes", default=2 * MiB, type=int, metavar="BYTES",
+    _add(g, "--chunk-bytes", default=2 * MiB, type=byte_size, metavar="SIZE",
          help="tensor bytes per response message; keep it under 4 MiB, the receive "
               "limit of default gRPC clients")
     _add(g, "--grace-seconds", default=30.0, type=float, metavar="S",
@@ -300,7 +300,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="images per forward pass")
     _add(g, "--max-batch-delay-ms", default=5.0, type=float, metavar="MS",
          help="longest a batch waits for more images while some are still being decoded")
-    _add(g, "--max-batch-bytes", default=1024 * MiB, type=int, metavar="BYTES",
+    _add(g, "--max-batch-bytes", default=1024 * MiB, type=byte_size, metavar="SIZE",
          help="activation bytes per batch, counting per image the larger of the requested "
               "layers' outputs and the largest layer output computed on the way (for "
               "Attribute, the graph kept for the backward pass); an image over it on its "
@@ -312,24 +312,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          help="how long an image waits for room in a full queue")
     _add(g, "--max-inflight-per-stream", default=64, type=int, metavar="N",
          help="images one stream may have unanswered; the stream then waits")
-    _add(g, "--max-stream-buffer-bytes", default=256 * MiB, type=int, metavar="BYTES",
+    _add(g, "--max-stream-buffer-bytes", default=256 * MiB, type=byte_size, metavar="SIZE",
          help="answer bytes one stream may have reserved and not yet sent. Each image's "
               "answer size is known from its header before it is decoded and reserved "
               "first; while the buffer is full the stream's requests are not read "
               "(backpressure). An answer bigger than this gets RESOURCE_EXHAUSTED")
     quarter = (f"a quarter of the machine's or the container's memory, at least 256 MiB: "
                f"{default_buffer_bytes()} here")
-    _add(g, "--max-buffer-bytes", default=default_buffer_bytes(), type=int,
-         metavar="BYTES", shown=quarter,
+    _add(g, "--max-buffer-bytes", default=default_buffer_bytes(), type=byte_size,
+         metavar="SIZE", shown=quarter,
          help="the same across all streams: answer bytes reserved and not yet sent")
-    _add(g, "--max-preprocess-bytes", default=default_buffer_bytes(), type=int,
-         metavar="BYTES", shown=quarter,
+    _add(g, "--max-preprocess-bytes", default=default_buffer_bytes(), type=byte_size,
+         metavar="SIZE", shown=quarter,
          help="estimated peak memory of the images being decoded and resized at once "
               "(24 bytes a decoded pixel + 26 a resized one, from the header); images "
               "wait for room, one that could never fit gets RESOURCE_EXHAUSTED")
     _add(g, "--max-image-pixels", default=50_000_000, type=int, metavar="N",
          help="largest image (width x height), checked from the header before decoding")
-    _add(g, "--max-response-bytes", default=1024 * MiB, type=int, metavar="BYTES",
+    _add(g, "--max-response-bytes", default=1024 * MiB, type=byte_size, metavar="SIZE",
          help="largest estimated answer for one image (all layers, after reduction)")
     _add(g, "--max-input-side", default=8192, type=int, metavar="PIXELS",
          help="largest height or width of the model input and of the resized image "

@@ -65,12 +65,17 @@ def _typed(t) -> list | bytes:
     before any element is copied out: a few bytes on the wire each, far more as
     Python objects)."""
     c = t.contents
-    field = {"BYTES": c.bytes_contents, "UINT8": c.uint_contents,
-             "INT64": c.int64_contents, "INT32": c.int_contents}.get(t.datatype)
-    if field is None:
+    name = {"BYTES": "bytes_contents", "UINT8": "uint_contents", "INT64": "int64_contents",
+            "INT32": "int_contents"}.get(t.datatype)
+    if name is None:
         raise InvalidArgument(f"input {t.name[:100]!r}: datatype {t.datatype[:20]} is not "
                               "one this server reads (BYTES, UINT8, INT64)")
+    field = getattr(c, name)
     want = element_count(tuple(t.shape), f"input {t.name[:100]!r}")
+    held = [f.name for f, _ in c.ListFields()]
+    if not field and want and held:   # the values sent in another type's field
+        raise InvalidArgument(f"input {t.name[:100]!r}: a {t.datatype} input's values go in "
+                              f"{name}, not {held[0]} (or send raw_input_contents)")
     if len(field) != want:
         raise InvalidArgument(f"input {t.name[:100]!r}: shape {list(t.shape)} says {want} "
                               f"elements, its typed contents hold {len(field)}")
