@@ -254,3 +254,14 @@ def test_torchs_own_info_records_stay_out_of_the_servers_log():
                        timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert "ours" in r.stderr and "a warning of torch" in r.stderr, r.stderr
     assert "cache_hits" not in r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--max-message-bytes", "--chunk-bytes", "--max-batch-bytes",
+                                  "--max-stream-buffer-bytes", "--max-buffer-bytes",
+                                  "--max-preprocess-bytes", "--max-response-bytes",
+                                  "--cache-bytes"])
+def test_every_size_flag_takes_units(flag):
+    args = build_parser().parse_args(["serve", flag, "256MiB"])
+    assert getattr(args, flag.lstrip("-").replace("-", "_")) == 256 << 20
+    assert getattr(build_parser().parse_args(["serve", flag, "1048576"]),
+                   flag.lstrip("-").replace("-", "_")) == 1 << 20
