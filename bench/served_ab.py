@@ -43,6 +43,8 @@ def parse_variant(text: str) -> tuple[str, dict, list[str]]:
     """NAME[:VAR=VALUE,...][:FLAGS] -> (name, environment, flags)."""
     name, _, rest = text.partition(":")
     env_text, _, flags = rest.partition(":")
+    if env_text.startswith("-"):   # NAME:FLAGS, no environment
+        env_text, flags = "", rest
     env = dict(kv.split("=", 1) for kv in env_text.split(",") if "=" in kv)
     return name, env, flags.split()
 

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 import hookserve
 from hookserve.batch.errors import Abort
@@ -87,3 +88,32 @@ def test_a_sharded_run_whose_server_returns_with_other_weights_stops(make_server
     assert all(not r.startswith(("2.tar", "3.tar")) and "/2.tar" not in r
                and "/3.tar" not in r for r in rows)
     assert np.unique(rows).size == len(rows)
+
+
+def test_the_header_names_each_model_short_and_a_run_checks_its_own(make_server):
+    """Two models: the run's model is checked, the other's weights do not matter; the
+    run's streams ask for the model the run resolved (the server's default here)."""
+    import json
+
+    import grpc
+
+    from hookserve.v1 import hookserve_pb2_grpc as pb_grpc
+    s = make_server(*small_server(models=("resnet18", "vgg11")))
+    with s.client() as c:
+        digests = {m.name: m.weights_digest for m in c.list_models()}
+    with grpc.insecure_channel(s.address) as ch:
+        call = pb_grpc.FeatureExtractorStub(ch).Extract(iter([]), timeout=60)
+        header = dict(call.initial_metadata())["hookserve-weights-bin"]
+        list(call)
+    sent = json.loads(header)
+    assert sent == {n: d[:23] for n, d in digests.items()}
+    images = [encode(rand_image(32, 32, seed=i)) for i in range(2)]
+    with hookserve.Client(s.address) as c:
+        ok = list(extract_many(c, images, ["fc"], ids=iter(["0", "1"]), window=2,
+                               watchdog=Watchdog(None, ("resnet18", digests["resnet18"])),
+                               model="resnet18"))
+        assert len(ok) == 2
+        with pytest.raises(Abort, match="no longer serves it for model gone"):
+            list(extract_many(c, images, ["fc"], ids=iter(["0", "1"]), window=2,
+                              watchdog=Watchdog(None, ("gone", digests["resnet18"])),
+                              model="resnet18"))

@@ -228,3 +228,11 @@ main(["models"])
 def test_a_flag_before_the_command_says_where_it_goes(argv, words):
     r = hs(*argv)
     assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+def test_argparse_prefixes_of_its_own_flags_still_work_and_a_flags_value_is_no_command():
+    r = hs("--vers")
+    assert r.returncode == 0 and r.stdout.startswith("hookserve "), r.stderr
+    r = hs("--model", "batch", "extract", "a.jpg", "--layers", "fc")
+    assert r.returncode == 2 and "--model goes after the command: hookserve extract" \
+        in r.stderr, r.stderr

@@ -246,6 +246,27 @@ def test_a_stalled_body_lets_go_of_what_it_holds(make_server):
             c.close()
     wait_until(lambda: http._held == 0, 30, "the stalled bodies let go")
     assert infer(s, {"inputs": [GOOD]})[0] == 200
+    # a body trickled in a byte at a time, each within the pause allowed
+    c = socket.create_connection(("127.0.0.1", http.port))
+    try:
+        c.sendall(b"POST /v2/models/resnet18/infer HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+        c.settimeout(0.2)
+        answer = b""
+        for _ in range(100):   # (each wait is the socket's timeout)
+            c.sendall(b" ")
+            try:
+                answer = c.recv(4096)
+                break
+            except TimeoutError:
+                continue
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        c.settimeout(30)
+        while not answer.endswith(b"}"):   # the JSON body may come in its own read
+            answer += c.recv(4096)
+        assert b"the request body arrives at" in answer
+    finally:
+        c.close()
 
 
 @pytest.mark.parametrize("field, value, owner", [
@@ -281,3 +302,15 @@ def test_typed_values_in_another_types_field_name_the_right_one(srv):
     assert code == "INVALID_ARGUMENT"
     assert "input 'INPUT__0': a UINT8 input's values go in uint_contents, not " \
            "fp32_contents (or send raw_input_contents)" in details, details
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [5000],
+                  "data": ["x"] * 5000}], "parameters": {"mode": "native"}},
+     "5000 images in one request, over the limit of 4096"),
+    ({"inputs": [{"name": f"i{i}"} for i in range(50)]},
+     "50 inputs: a request has one image input"),
+])
+def test_rest_json_counts_are_bounded_as_the_grpc_ones(srv, body, words):
+    status, answer = infer(srv, body)
+    assert status == 400 and words in answer["error"], answer

@@ -257,3 +257,24 @@ def test_serve_flags_given_in_the_wrong_shape_say_the_right_one(tmp_path, flags,
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     with pytest.raises(ConfigError, match=re.escape(words)):
         RunningServer(["--model", "resnet18", *flags], start=False)
+
+
+def test_a_file_saved_without_checksums_loads(tmp_path, weights):
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(weights, tmp_path / "nocrc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    got = read_state_dict(tmp_path / "nocrc.pt", "resnet18", weights.keys())
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+
+
+def test_a_buffer_named_mask_is_not_taken_for_pruning(tmp_path):
+    from hookserve_server.models import build_model
+
+    sd = torchvision.models.resnet18(num_classes=4).state_dict()
+    sd["layer1.0.attn_mask"] = torch.zeros(3)
+    torch.save(sd, tmp_path / "w.pt")
+    with pytest.raises(ConfigError) as err:
+        build_model("resnet18", str(tmp_path / "w.pt"))
+    assert "pruned" not in str(err.value) and "layer1.0.attn_mask" in str(err.value)

@@ -196,37 +196,37 @@ def test_a_connection_that_fails_says_what_to_change(make_server):
         c.list_models()
 
 
-def test_a_file_that_is_no_regular_file_is_refused_unread(server, tmp_path):
-    """A FIFO would block the read for ever and a device never end: refused by kind,
-    and the rest of the call goes on."""
+def test_a_pipe_is_read_and_a_device_that_never_ends_stops_at_the_send_limit(server,
+                                                                             tmp_path):
+    """A pipe (`<(curl ...)`) is read as a file; /dev/zero is read up to the client's
+    send limit, not until memory runs out; a socket is refused; the rest goes on."""
     import os
+    import socket
     import threading
 
-    fifo = tmp_path / "pipe.jpg"
+    fifo = tmp_path / "pipe.png"
     os.mkfifo(fifo)
+    data = encode(SMALL)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(data))
+    writer.start()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock.png"))
     good = tmp_path / "good.png"
-    good.write_bytes(encode(SMALL))
-    out: dict = {}
-
-    def call():
-        with server.client() as c:
-            out["rs"] = list(c.extract_many([str(fifo), "/dev/zero", str(good)], ["layer1"]))
-            out["one"] = pytest.raises(hookserve.InvalidArgument, c.extract, fifo, ["layer1"])
-
-    t = threading.Thread(target=call)
-    t.start()
-    t.join(60)
-    if t.is_alive():   # unblock the read the client should not have started
-        with open(fifo, "wb"):
-            pass
-        t.join()
-    assert "rs" in out, "the client read a FIFO"
-    first, second, third = out["rs"]
-    for r in (first, second):
-        assert isinstance(r.error, hookserve.InvalidArgument)
-        assert "is not a regular file (a pipe, a socket or a device)" in str(r.error)
-    assert third.error is None and "layer1" in third.features
-    assert "not a regular file" in str(out["one"].value)
+    good.write_bytes(data)
+    try:
+        with server.client(options=[("grpc.max_send_message_length", 1 << 20)]) as c:
+            piped = c.extract(fifo, ["layer1"])["layer1"]
+            zero, socket_file, ok = c.extract_many(
+                ["/dev/zero", str(tmp_path / "sock.png"), str(good)], ["layer1"])
+    finally:
+        writer.join()
+        sock.close()
+    np.testing.assert_array_equal(piped, ok.features["layer1"])
+    assert isinstance(zero.error, hookserve.ResourceExhausted)
+    assert f"its file of more than {1 << 20} bytes is over this client's limit" \
+        in str(zero.error)
+    assert isinstance(socket_file.error, hookserve.InvalidArgument)
+    assert "it is a socket or a block device, not a file" in str(socket_file.error)
 
 
 def test_a_file_over_the_clients_send_limit_is_refused_from_its_size(server, tmp_path):
@@ -295,3 +295,16 @@ def test_a_torch_tensor_image_says_how_to_pass_it(server):
 def test_client_settings_out_of_their_kind_are_refused(kw, words):
     with pytest.raises((TypeError, ValueError), match=re.escape(words)):
         hookserve.Client("localhost:1", **kw)
+
+
+def test_layers_and_targets_in_the_kinds_users_hold(server):
+    torch = pytest.importorskip("torch")
+    with server.client() as c:
+        want = c.extract(SMALL, ["layer1", "fc"])
+        for layers in ({"layer1", "fc"}, (n for n in ["layer1", "fc"]),
+                       {"layer1": None, "fc": None}.keys(), np.array(["layer1", "fc"])):
+            got = c.extract(SMALL, layers)
+            assert set(got) == {"layer1", "fc"}
+            np.testing.assert_array_equal(got["fc"], want["fc"])
+        (a,) = c.attribute_many([SMALL], targets=torch.tensor([3]))
+        assert a.target == 3

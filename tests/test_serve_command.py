@@ -265,3 +265,10 @@ def test_every_size_flag_takes_units(flag):
     assert getattr(args, flag.lstrip("-").replace("-", "_")) == 256 << 20
     assert getattr(build_parser().parse_args(["serve", flag, "1048576"]),
                    flag.lstrip("-").replace("-", "_")) == 1 << 20
+
+
+def test_a_size_of_part_of_a_byte_is_refused():
+    for value in ("1.5", "0.3K"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--chunk-bytes", value])
+    assert build_parser().parse_args(["serve", "--chunk-bytes", "0.5K"]).chunk_bytes == 512

@@ -264,6 +264,8 @@ class AttributionRun(Extraction):
         t = next(self.targets, missing)
         if t is missing:
             raise ValueError(f"targets has fewer items than images (ran out at image {index})")
+        if hasattr(t, "item") and getattr(t, "ndim", None) == 0:   # a 0-d tensor or array
+            t = t.item()
         if t is not None and (isinstance(t, bool) or not isinstance(
                 t, (int, float, np.integer, np.floating)) or not np.isfinite(t)
                 or int(t) != t):

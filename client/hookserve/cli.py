@@ -176,10 +176,15 @@ class TopParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
-        if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        first = argv[0] if argv else ""
+        own = first == "-h" or len(first) > 2 and any(   # (argparse's prefixes: --vers)
+            name.startswith(first) for name in ("--help", "--version"))
+        if first.startswith("-") and not own:
             commands = self._subparsers._group_actions[0].choices if self._subparsers else {}
-            cmd = next((a for a in argv if a in commands), None)
-            flag = argv[0].split("=", 1)[0]
+            # a command token, not a flag's value (`--model batch` names no command)
+            cmd = next((a for i, a in enumerate(argv) if a in commands and not (
+                argv[i - 1].startswith("-") and "=" not in argv[i - 1])), None)
+            flag = first.split("=", 1)[0]
             if cmd is not None:
                 self.error(f"{flag} goes after the command: hookserve {cmd} {flag} ... "
                            f"(`hookserve {cmd} --help` lists its flags)")

@@ -20,30 +20,39 @@ def default_id(obj: Any, index: int) -> str:
 
 
 class TooLarge(ValueError):
-    """An image file over the client's send limit, refused from its size unread."""
+    """An image file over the client's send limit, refused from its size (a regular
+    file, unread) or once more than the limit was read (a pipe or a device)."""
 
-    def __init__(self, size: int, limit: int) -> None:
+    def __init__(self, size: int | str, limit: int) -> None:
         super().__init__(f"{size} bytes, over this client's limit of {limit} bytes")
         self.size, self.limit = size, limit
 
 
+#: The most a pipe or a device is read when the client sets no send limit (protobuf's
+#: largest message).
+MAX_STREAM_BYTES = (2 << 30) - 1
+
+
 def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
-    """An image file's bytes. Only a regular file is opened (a FIFO would block and a
-    device never end), and one over `limit` bytes (the client's send limit: its
-    request could not be sent) is refused from its size, unread."""
+    """An image file's bytes, at most `limit` (the client's send limit: a larger
+    request could not be sent). A regular file over it is refused from its size,
+    unread; a pipe (``<(curl ...)``) or a character device (``/dev/stdin``) is read up
+    to it, so one that never ends (``/dev/zero``) ends there. A folder, a socket or a
+    block device is refused."""
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError("it is not a regular file (a pipe, a socket or a device): give "
-                         "an image file")
+    regular = stat.S_ISREG(st.st_mode)
+    if not (regular or stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        raise ValueError("it is a socket or a block device, not a file: give an image file")
     limit = limit if limit is not None and limit >= 0 else None
-    if limit is not None and st.st_size > limit:
+    if regular and limit is not None and st.st_size > limit:
         raise TooLarge(st.st_size, limit)
+    most = limit if limit is not None else MAX_STREAM_BYTES
     with open(path, "rb") as fh:
-        data = fh.read() if limit is None else fh.read(limit + 1)
-    if limit is not None and len(data) > limit:   # (it grew since)
-        raise TooLarge(len(data), limit)
+        data = fh.read(most + 1)
+    if len(data) > most:   # (a regular file that grew since, or an endless stream)
+        raise TooLarge(f"more than {most}", most)
     return data
 
 

@@ -6,7 +6,7 @@ as the CLI's choices do.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,7 +202,7 @@ def build_layers(layers: str | Layer | Sequence[str | Layer] | Mapping[str, Any]
     defaults = {"reduction": reduction, "dtype": dtype, "l2_normalize": l2_normalize}
     if isinstance(layers, (str, Layer)):
         layers = [layers]
-    elif not isinstance(layers, (Mapping, Sequence)) or isinstance(layers, (bytes, bytearray)):
+    elif not isinstance(layers, (Mapping, Iterable)) or isinstance(layers, (bytes, bytearray)):
         raise TypeError(f"layers are a name, a list of names or Layers, or a dict of name "
                         f"to options, not {type(layers).__name__}: e.g. ['layer4'] or "
                         "{'layer4': {'reduction': 'avg'}}")

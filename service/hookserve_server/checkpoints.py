@@ -266,11 +266,13 @@ def linear_head(model: nn.Module, sd: dict, head: tuple[str, ...]) -> str:
 
 def _reparametrized(unexpected: list[str]) -> str | None:
     """Why keys of a pruned or reparametrized module do not load, said with the fix."""
-    if pruned := [k for k in unexpected if k.endswith(("_orig", "_mask"))]:
+    pruned = [k for k in unexpected if k.endswith("_orig")
+              and k[:-len("_orig")] + "_mask" in unexpected]
+    if pruned := [k for k in unexpected if any(k[:-5] == p[:-5] for p in pruned)]:
         return ("it holds pruned weights (" + ", ".join(pruned[:2]) + "): make the "
                 "pruning permanent before saving, torch.nn.utils.prune.remove(module, "
                 "'weight') for each pruned module")
-    if kept := [k for k in unexpected if ".parametrizations." in k]:
+    if kept := [k for k in unexpected if ".parametrizations." in k and ".original" in k]:
         return ("it holds reparametrized weights (" + ", ".join(kept[:2]) + "): "
                 "remove the parametrization before saving, torch.nn.utils.parametrize."
                 "remove_parametrizations(module, 'weight')")

@@ -76,19 +76,19 @@ SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": M
 
 
 def byte_size(value: str) -> int:
-    """"512MiB", "2G", "1048576": a size in bytes (the units are powers of 1024)."""
+    """"512MiB", "2G", "1048576": whole bytes (the units are powers of 1024)."""
     text = str(value).strip().lower()
     number = text.rstrip("kmgib")
     unit = text[len(number):]
     try:
-        if unit not in SIZE_UNITS:
-            raise ValueError(unit)
-        return int(float(number) * SIZE_UNITS[unit])
-    except (ValueError, OverflowError):
+        if (size := float(number) * SIZE_UNITS[unit]) != int(size):   # (half a byte)
+            raise ValueError(number)   # (an unknown unit: KeyError)
+        return int(size)
+    except (ValueError, OverflowError, KeyError):
         where = f"{value.env}=" if isinstance(value, _FromEnv) else ""
         raise argparse.ArgumentTypeError(
-            f"{where}{str(value)!r} is not a size: use bytes, or a number with K, M or G "
-            "(KiB, MiB, GiB: 512MiB, 2G)") from None
+            f"{where}{str(value)!r} is not a size: use whole bytes, or a number with K, M "
+            "or G (KiB, MiB, GiB: 512MiB, 2G)") from None
 
 
 def env_name(flag: str) -> str:   # (a flag's HOOKSERVE_* variable)

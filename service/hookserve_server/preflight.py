@@ -32,12 +32,32 @@ MAX_SEND_MESSAGE_BYTES = 16 << 20
 _POLICY_ONLY = re.compile(r"TOO_SMALL|TOO_WEAK|MD_TOO")
 
 
+def _with_port(host: str) -> str | None:
+    """The host alone, when `host` holds a port (``localhost:5``, ``[::1]:5``; a link-
+    local address's zone, ``fe80::1%eth0``, is the interface's name)."""
+    if host.startswith("["):
+        return host[:host.index("]:") + 1] if "]:" in host else None
+    try:
+        socket.inet_pton(socket.AF_INET6, host.split("%", 1)[0])
+        return None
+    except OSError:
+        return host.rsplit(":", 1)[0] if ":" in host else None
+
+
+def no_port(host: str, flag: str) -> None:
+    """Refuse a host flag that holds a port (``localhost:5``, ``[::1]:5``)."""
+    if (alone := _with_port(host)) is not None:
+        raise ConfigError(f"{flag} {host} holds a port: give the host alone ({alone}), "
+                          f"and the port with {flag.replace('host', 'port')}")
+
+
 def listen_host(host: str, flag: str) -> str:
     """`host` as gRPC takes it: a bare IPv6 address gets its brackets."""
     host = host.strip()
     if not host:
         raise ConfigError(f"{flag} is empty: use 127.0.0.1 (this machine only), or "
                           "0.0.0.0 or [::] (every interface)")
+    no_port(host, flag)
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return host
@@ -46,6 +66,7 @@ def listen_host(host: str, flag: str) -> str:
 def metrics_host(host: str) -> str:
     """--metrics-host for the HTTP server: the IPv6 wildcard becomes 0.0.0.0, which
     works where a container has IPv6 switched off."""
+    no_port(host.strip(), "--metrics-host")
     addr = host.strip().strip("[]")
     return "0.0.0.0" if addr in ("", "::") else addr
 
@@ -66,21 +87,9 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def _is_ipv6(host: str) -> bool:
-    try:
-        socket.inet_pton(socket.AF_INET6, host.strip("[]"))
-    except OSError:
-        return False
-    return True
-
-
 def check_bindable(host: str, port: int, flag: str) -> None:
     """ConfigError unless `host:port` could be listened on now: the port is free (no
     other process listens there), allowed, and the address is this machine's."""
-    bare = host.strip("[]")
-    if ":" in bare and not _is_ipv6(bare):   # host:port given as the host
-        raise ConfigError(f"--host {host.strip('[]')} holds a port: give the host alone "
-                          f"({bare.rsplit(':', 1)[0]}), and the port with {flag}")
     if port == 0:
         return
     try:

@@ -99,7 +99,8 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
         image's answer as `messages(result, chunk_bytes)` then its status."""
         stats = call_stats()
         with self.calls.observed(method, context, stats), self.streams.work_slot(method):
-            context.send_initial_metadata(wire.weights_header(self.engine.models.values()))
+            if header := wire.weights_header(self.engine.models.values()):
+                context.send_initial_metadata(header)
             session = self.engine.session(call_deadline(context))
             context.add_callback(session.cancel)
             encode = functools.partial(messages, chunk_bytes=self.chunk_bytes)

@@ -165,12 +165,21 @@ def image_request(request) -> tuple[ExtractionSpec, ImageInput]:
     return to_spec(req.spec), to_image(req.image)
 
 
-def weights_header(models) -> tuple[tuple[str, bytes]]:
+#: The length of each digest in the weights header ("sha256:" and 64 bits of it), and
+#: the header's largest size (gRPC's clients refuse metadata over 8 KiB): a server of
+#: so many models that it would be larger sends none.
+WEIGHTS_DIGEST_CHARS = 23
+WEIGHTS_HEADER_MAX = 4096
+
+
+def weights_header(models) -> tuple[tuple[str, bytes], ...]:
     """The initial metadata of every Extract and Attribute stream: each of `models`'
-    weights digest (WEIGHTS_HEADER, JSON {model: digest}), so a client that reconnects
-    mid-run (a replica replaced in a rolling deploy) can tell whether they changed."""
-    return ((WEIGHTS_HEADER, json.dumps({m.name: m.weights.digest for m in models},
-                                        sort_keys=True).encode()),)
+    weights digest, shortened (WEIGHTS_HEADER, JSON {model: digest}), so a client that
+    reconnects mid-run (a replica replaced in a rolling deploy) can tell whether they
+    changed; none when it would be over WEIGHTS_HEADER_MAX bytes."""
+    value = json.dumps({m.name: m.weights.digest[:WEIGHTS_DIGEST_CHARS] for m in models},
+                       sort_keys=True).encode()
+    return ((WEIGHTS_HEADER, value),) if len(value) <= WEIGHTS_HEADER_MAX else ()
 
 
 def model_info(m: ServedModel) -> pb.ModelInfo:

@@ -143,7 +143,7 @@ def run_local(args: argparse.Namespace) -> int:
         window = max(1, args.max_in_flight // (2 * streams))
         workers = Streams(client, Scheduler(work, args.max_in_flight,
                                             args.max_in_flight_bytes), layers, opts,
-                          model=args.model, retries=args.retries, streams=streams,
+                          model=meta["model"], retries=args.retries, streams=streams,
                           window=window, cap=cap, timeout=args.timeout,
                           weights=weights_of(meta))
         progress = Progress(len(work), args.progress if args.progress is not None

@@ -107,7 +107,7 @@ def run_shard(shard: str | Shard, out: str, layers: Sequence[str], *,
         if shard.sid in output.done([shard]):
             return ShardResult(shard.key, skipped=True)
         output.forget(shard)
-        rows, fails = extract_shard(client, shard, layer_objs, xopts, model=args.model,
+        rows, fails = extract_shard(client, shard, layer_objs, xopts, model=meta["model"],
                                     retries=args.retries, window=args.max_in_flight,
                                     read=read_opts(args, opts, cap),
                                     budget=ByteBudget(args.max_in_flight_bytes),

@@ -230,7 +230,7 @@ def _run_pool(args, client, todo: list[Shard], output: ShardOutput, layers, xopt
                 return
             try:
                 output.forget(shard)
-                rows, fails = extract_shard(client, shard, layers, xopts, model=args.model,
+                rows, fails = extract_shard(client, shard, layers, xopts, model=weights[0],
                                             retries=args.retries, window=window, read=read,
                                             budget=budget, watchdog=watchdog)
                 if stop.is_set():

@@ -105,8 +105,8 @@ class _Watched(Extraction):
             return
         if header is None:
             return
-        served = json.loads(header).get(model)
-        if served != digest:
+        served = json.loads(header).get(model)   # (the digest's first characters)
+        if not served or not digest.startswith(served):
             where = f"serves {served[:19]}" if served else "no longer serves it"
             raise Abort(f"a server this run reconnected to {where} for model {model}, "
                         f"not the weights this output was written with ({digest[:19]}): "

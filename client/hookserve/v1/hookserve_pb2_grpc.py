@@ -91,8 +91,10 @@ class FeatureExtractorServicer:
         before the bad spec have been answered.
 
         The stream's initial metadata holds `hookserve-weights-bin`: JSON
-        {model: weights digest} of every served model, so a client that reconnects
-        mid-run can tell whether the weights changed (Attribute's streams too).
+        {model: the first 23 characters of its weights digest} of every served
+        model, so a client that reconnects mid-run can tell whether the weights
+        changed (Attribute's streams too); a server whose header would be over
+        4 KiB (hundreds of models) sends none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,10 +1,12 @@
 """A REST request body as the front door reads it: held to --max-message-bytes as it
 arrives (and as it expands, for a gzip or deflate body), and to BODY_IDLE_S between
-its pieces, so a client that stalls mid-body lets go of what its body holds."""
+its pieces and MIN_BODY_RATE on average after that, so a client that stalls or
+trickles mid-body lets go of what its body holds."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 
 from ..errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
@@ -13,6 +15,10 @@ from ..errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 #: mid-body lets go of what its body holds of the bodies the server takes at once, so
 #: stalled uploads cannot keep REST infer from everyone (HTTP 408).
 BODY_IDLE_S = 30.0
+#: ...and the slowest it may arrive on average once that long has passed (bytes a
+#: second): a body trickled in a byte at a time lets go as a stalled one does, while
+#: the largest body at this rate still takes a quarter of an hour.
+MIN_BODY_RATE = 64 << 10
 
 
 class BodyStalled(DeadlineExceeded):
@@ -35,6 +41,7 @@ async def read_body(request, limit: int, idle_s: float) -> bytes:
         raise too_big
     body = bytearray()
     pieces = request.stream().__aiter__()
+    start = time.monotonic()
     while True:
         try:
             chunk = await asyncio.wait_for(pieces.__anext__(), idle_s)
@@ -47,6 +54,11 @@ async def read_body(request, limit: int, idle_s: float) -> bytes:
         body += chunk
         if len(body) > limit:
             raise too_big
+        elapsed = time.monotonic() - start
+        if elapsed > idle_s and len(body) < MIN_BODY_RATE * elapsed:
+            raise BodyStalled(f"the request body arrives at {len(body) / elapsed:.0f} bytes "
+                              f"a second, under {MIN_BODY_RATE} ({len(body)} bytes in "
+                              f"{elapsed:.0f} s): send it without pausing")
     if not encoding:
         return bytes(body)
     from starlette.concurrency import run_in_threadpool

@@ -279,6 +279,8 @@ def _images(t: InTensor) -> list[ImageInput]:
         if t.datatype != "BYTES":
             raise InvalidArgument(f"{IMAGE} is BYTES (encoded images), not {t.datatype}")
         n = element_count(t.shape, IMAGE)
+        if isinstance(t.data, list) and len(t.data) == n > MAX_IMAGES:   # (JSON, typed)
+            raise InvalidArgument(too_many_images(n))
         try:
             elements = (unpack_bytes(t.data, IMAGE, min(n, MAX_IMAGES))
                         if not isinstance(t.data, list) else [bytes(e) for e in t.data])

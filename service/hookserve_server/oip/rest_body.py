@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import InvalidArgument, ResourceExhausted
 from .infer import VERSION
 from .request import (
+    MAX_INPUTS,
     InferCall,
     InTensor,
     OutRequest,
@@ -151,7 +152,10 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
     blobs = memoryview(body)[n:]
     pos = 0
     inputs = []
-    for i, t in enumerate(_list(header.get("inputs"), "\"inputs\"")):
+    listed = _list(header.get("inputs"), "\"inputs\"")
+    if len(listed) > MAX_INPUTS:   # (counted before each is read)
+        distinct_inputs([f"input {i}" for i in range(len(listed))])
+    for i, t in enumerate(listed):
         t = _object(t, f"inputs[{i}]", required=True)
         name = _text(t.get("name"), f"inputs[{i}]: \"name\"")[:100]
         datatype = t.get("datatype")
