@@ -425,6 +425,41 @@ def test_sigterm_ends_an_idle_open_stream_at_once_instead_of_waiting_out_the_gra
         a.kill()
 
 
+@pytest.mark.parametrize("rpc", ["stream", "image"])
+def test_a_call_still_running_when_the_grace_ends_does_not_keep_the_process(rpc):
+    """Images still queued when the drain's grace ends: the model's thread stops, the
+    calls are cancelled, and the process exits (a call waited for its image's answer
+    for ever, so the process never exited, and a second SIGTERM did nothing)."""
+    grace = 1.0
+    a = ServeProcess(*R18, "--grace-seconds", str(grace))
+    big = np.zeros((768, 768, 3), np.uint8)
+    got: list = []
+
+    def client() -> None:
+        with hookserve.Client(a.address, timeout=120, retries=0) as c:
+            try:
+                if rpc == "stream":
+                    for r in c.extract_many((big for _ in range(60)), ["layer4"],
+                                            reduction="avg", native=True):
+                        got.append(r)
+                else:
+                    for _ in range(60):
+                        got.append(c.extract(big, ["layer4"], reduction="avg", native=True))
+            except hookserve.HookserveError as exc:
+                got.append(exc)
+
+    t = threading.Thread(target=client, daemon=True)
+    try:
+        t.start()
+        wait_until(lambda: len(got) >= 1, 120, "the first answer")
+        a.proc.send_signal(signal.SIGTERM)
+        assert a.proc.wait(grace + 60) == 0, "".join(a.log[-10:])
+        t.join(60)
+        assert len(got) < 60   # the drain cut the work short
+    finally:
+        a.kill()
+
+
 # -- out of memory -------------------------------------------------------------------------
 
 # The split-and-retry path exists for CUDA OOM. There is no GPU here, so the server runs in

@@ -20,6 +20,9 @@ def _layer(**kw):
     return wire.to_spec(pb.ExtractionSpec(layers=[pb.LayerRequest(name="conv1", **kw)]))
 
 
+IG = pb.ATTRIBUTION_METHOD_INTEGRATED_GRADIENTS
+
+
 def _attribution(**kw):
     kw.setdefault("method", pb.ATTRIBUTION_METHOD_GRADIENT)
     return wire.to_attribution_spec(pb.AttributionSpec(**kw))
@@ -42,7 +45,7 @@ LISTS = {
     "score": (pb.AttributionScore, "ATTRIBUTION_SCORE_", Score, None,
               lambda n: _attribution(score=n).score, "invalid score", Score.LOGIT),
     "baseline": (pb.AttributionBaseline, "ATTRIBUTION_BASELINE_", Baseline, None,
-                 lambda n: _attribution(ig_baseline=n).ig_baseline, "invalid baseline",
+                 lambda n: _attribution(ig_baseline=n, method=IG).ig_baseline, "invalid baseline",
                  Baseline.ZEROS),
 }
 

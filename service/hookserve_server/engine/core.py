@@ -163,8 +163,9 @@ class Engine:
             return self._sessions_changed.wait_for(lambda: not self._sessions, timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Refuse new images, finish what is queued, stop the workers; returns within
-        about `timeout` seconds (threads still busy then are daemons, ended at exit)."""
+        """Refuse new images, finish what is queued, stop the workers: within about
+        `timeout` seconds, and the batch each model's thread runs then (images still
+        queued fail UNAVAILABLE)."""
         self._admission.close()
         # Images already submitted to the pool are still prepared and queued; the
         # workers wait for them (their queue's `incoming` count) before they stop.

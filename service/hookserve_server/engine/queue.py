@@ -43,6 +43,14 @@ class BatchQueue:
             self._closed = True
             self._cond.notify_all()
 
+    def abandon(self) -> list[WorkItem]:
+        """Take every queued image out (a stop past its grace: they will not run)."""
+        with self._cond:
+            items, self._items = list(self._items), collections.deque()
+            self.incoming = 0
+            self._cond.notify_all()
+            return items
+
     def next_batch(self, wait: bool = True, busy: Collection[CallState] = (),
                    held: int = 0) -> list[WorkItem] | None:
         """The next batch: same model, input size and `Job.batch_key` (an Attribute

@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from typing import Protocol
 
 from ..attribution_spec import AttributionSpec
@@ -86,6 +86,8 @@ class Session:
         self._inflight = 0
         self._reader_done = False
         self._out: queue.SimpleQueue = queue.SimpleQueue()
+        #: done once the call is cancelled: a wait for an image's answer ends with it
+        self._woken: Future = Future()
         # 64-bit digests of the last ID_HISTORY non-empty ids, oldest first.
         #: hashes of the ids seen, oldest first (a dict keeps insertion order)
         self._ids: dict[int, None] = {}
@@ -98,6 +100,21 @@ class Session:
         with self._cond:
             self.call.cancel()
             self._cond.notify_all()
+        try:
+            self._woken.set_result(None)
+        except InvalidStateError:   # (cancelled before)
+            pass
+
+    def _outcome(self, fut: Future) -> BaseException | None:
+        """The image's error (None: its outputs are `fut.result()`), read without
+        raising it; Cancelled when the call is cancelled first (at the end of a drain's
+        grace the model's thread may stop with the image still queued: the wait must
+        not outlive the call)."""
+        if not fut.done():
+            wait((fut, self._woken), return_when=FIRST_COMPLETED)
+        if not fut.done():
+            return Cancelled("the call was cancelled before this image was answered")
+        return fut.exception()
         self._budget.wake()
 
     def drain(self) -> None:
@@ -185,7 +202,7 @@ class Session:
                 index, image_id, fut, reservation = entry
                 # Read the error without raising it: a raised error would tie this frame
                 # to the future it is stored in (a reference cycle).
-                error = fut.exception()
+                error = self._outcome(fut)
                 result = (ImageResult(index, image_id, error=error) if error is not None
                           else ImageResult(index, image_id, outputs=fut.result()))
                 entry = fut = error = None
@@ -231,7 +248,7 @@ class Session:
             self._free(reservation)
             raise
         try:
-            error = fut.exception()  # read, not raised: no cycle through the future
+            error = self._outcome(fut)  # read, not raised: no cycle through the future
             result = (ImageResult(0, image.id, error=error) if error is not None
                       else ImageResult(0, image.id, outputs=fut.result()))
             fut = error = None

@@ -33,6 +33,7 @@ from ..errors import (
     HookserveError,
     InternalError,
     ResourceExhausted,
+    Unavailable,
 )
 from ..telemetry import Telemetry
 from .compiled import CompiledGraphs
@@ -87,14 +88,22 @@ class DeviceWorker:
         self._completer.start()
 
     def close(self, end: float | None = None) -> None:
-        """Finish the queue, then stop; `end` is a time.monotonic() deadline."""
+        """Finish the queue, then stop; `end` is a time.monotonic() deadline. Images
+        still queued at `end` fail UNAVAILABLE, and the batch running then is waited
+        for: the process must not end under a forward pass (it aborts) nor keep a call
+        waiting for an answer that never comes."""
         def left():
             return None if end is None else max(0.0, end - time.monotonic())
         self.queue.close()
         self.compiled.close()
         self._thread.join(left())
+        if self._thread.is_alive():
+            for item in self.queue.abandon():
+                item.fail(Unavailable("the server stopped before this image ran: send it "
+                                      "to another replica"))
+            self._thread.join()   # (the batch it runs: a pass at most)
         self._done.put(None)
-        self._completer.join(left())
+        self._completer.join()
 
     # -- what a job's batch uses (types.Device) ----------------------------------------
     @property
