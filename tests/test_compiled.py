@@ -19,10 +19,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hookserve_server.capture.compiled import build_graph
+from hookserve_server.capture.compiled import bucket, build_graph
 from hookserve_server.capture.forward import capture
 from hookserve_server.capture.plan import CapturePlan, CapturePoint
-from hookserve_server.engine.compiled import bucket
 from hookserve_server.engine.config import CompileSettings, parse_warm
 from hookserve_server.errors import ConfigError
 from hookserve_server.spec import DType, LayerSpec, Reduction
@@ -313,6 +312,24 @@ def test_the_cache_bound_holds(make_server):
         run(2, h, h)
     assert graphs.stats.compiles == 0 and graphs.stats.failures == 1   # (at any size)
     assert len(graphs._graphs) == 0 and graphs.stats.graph_bytes == 0
+
+
+def test_graphs_that_do_not_fit_together_do_not_compile_without_end(make_server):
+    """Two keys taking turns with room for one graph: each is dropped and compiled
+    again MAX_EVICTIONS times at most, then served eagerly (they recompiled for ever)."""
+    from hookserve_server.engine.compiled import MAX_EVICTIONS
+
+    graphs, run = graphs_of(make_server, max_graphs=1, max_sizes=8)
+    for _ in range(12):
+        for h in (32, 40):
+            run(1, h, h)
+    compiles, hits = graphs.stats.compiles, graphs.stats.hits
+    assert 2 < compiles <= 2 * (1 + MAX_EVICTIONS)
+    for _ in range(6):
+        for h in (32, 40):
+            run(1, h, h)
+    assert graphs.stats.compiles == compiles   # bounded for good
+    assert graphs.stats.hits - hits == 6   # the key left in the LRU runs its graph
 
 
 def test_what_is_remembered_per_key_and_layer_set_is_bounded(make_server):

@@ -100,6 +100,16 @@ def graph_bytes(gm: fx.GraphModule, frozen: bool = True) -> int:
     return (FROZEN_COPIES if frozen else 1) * total
 
 
+def bucket(n: int) -> int:
+    """The batch bucket of `n` images: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def split(n: int) -> list[int]:
+    """The powers of two that sum to `n`, largest first: 7 -> [4, 2, 1]."""
+    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
+
+
 def to_bucket(x: torch.Tensor, rows: int, channels_last: bool) -> torch.Tensor:
     """`x` padded with zero images to `rows` (rows of a batch never mix in eval mode),
     always a new tensor in the layout the graph was compiled for, made under the

@@ -17,8 +17,8 @@ and L2 apply to its outputs), a power-of-two batch size, the exact input size:
   under the model thread's OpenMP thread count (torch.compile guards on it).
 - **Bounds.** At most (buckets) x `max_sizes` keys per layer set (the first input sizes
   to become due, `--warm` entries included; others stay eager); a graph dropped from
-  the LRU compiles again when due again. Parts are used only when that many graphs of
-  the layer set fit in the LRU together, else the padded bucket is the key. The LRU
+  the LRU compiles again when due again, MAX_EVICTIONS times at most. Parts are used
+  only when that many graphs of the layer set fit in the LRU together. The LRU
   holds at most `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated
   memory (`capture/compiled.graph_bytes`); a graph over that alone is not compiled. What
   is remembered per key and layer set (batch counts, sizes, estimates, failures) is
@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from ..capture.compiled import build_graph, graph_bytes, to_bucket
+from ..capture.compiled import bucket, build_graph, graph_bytes, split, to_bucket
 from ..capture.forward import capture
 from ..capture.plan import CapturePlan, CapturePoint, point_of
 from ..capture.reduce import reduce
@@ -57,14 +57,8 @@ from .config import CompileSettings, CompileStats
 log = logging.getLogger("hookserve.compile")
 
 
-def bucket(n: int) -> int:
-    """The batch bucket of `n` images: the next power of two."""
-    return 1 << max(0, n - 1).bit_length()
-
-
-def split(n: int) -> list[int]:
-    """The powers of two that sum to `n`, largest first: 7 -> [4, 2, 1]."""
-    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
+#: How often one key's graph may be dropped from the LRU and compiled again.
+MAX_EVICTIONS = 2
 
 
 class CompiledGraphs:
@@ -79,8 +73,9 @@ class CompiledGraphs:
         # What is remembered per key and per layer set is bounded (max_tracked each):
         # clients choose layer sets and, in native mode, input sizes.
         limit = self.settings.max_tracked
-        #: key -> the batches counted towards its compile
-        self._seen = Recent(limit)
+        #: key -> the batches counted towards its compile; key -> times evicted (after
+        #: MAX_EVICTIONS it stays eager: graphs that do not fit together cannot thrash)
+        self._seen, self._evicted = Recent(limit), Recent(limit)
         self._queued: set = set()
         #: (model name, points, input size) -> True: served eagerly after a failure
         self._failed = Recent(limit)
@@ -237,7 +232,8 @@ class CompiledGraphs:
         """(Under the lock) count a batch of `key`: True when it is due a compile.
         A layer set compiles at most `max_sizes` input sizes; other sizes stay eager."""
         if (not self._counting or key in self._queued or self._failed.get(_failure(key))
-                or self._failed.get((key[0], key[1], None))):
+                or self._failed.get((key[0], key[1], None))
+                or self._evicted.get(key, 0) >= MAX_EVICTIONS):
             return False
         sizes = self._sizes.get((key[0], key[1]), ())
         if key[3] not in sizes and len(sizes) >= self.settings.max_sizes:
@@ -376,6 +372,7 @@ class CompiledGraphs:
                                          or self.stats.graph_bytes > s.max_bytes):
             old, _ = self._graphs.popitem(last=False)
             self._seen.pop(old, None)
+            self._evicted[old] = self._evicted.get(old, 0) + 1
             self.stats.evictions += 1
             self.telemetry.compile_event("eviction")
             self.stats.graph_bytes = sum(b for _, b in self._graphs.values())
