@@ -178,6 +178,12 @@ def test_a_lone_head_is_read_as_the_architectures_head(tmp_path, arch, head_in, 
     assert torch.equal(got[slot.bias], sd[f"{name}.bias"])
 
 
+def _flip(path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x41
+    path.write_bytes(bytes(data))
+
+
 def _corrupt_a_record(path, at: int) -> None:
     data = bytearray(path.read_bytes())
     data[at:at + 100] = bytes(100)
@@ -190,6 +196,7 @@ def _corrupt_a_record(path, at: int) -> None:
      "again"),
     (lambda p: p.write_bytes(p.read_bytes()[:1000]), "is incomplete"),
     (lambda p: _corrupt_a_record(p, p.stat().st_size // 2), "is damaged: its record "),
+    (lambda p: _flip(p, 26), "is damaged: its record "),   # a record's name
 ])
 def test_a_file_cut_short_or_damaged_is_refused_not_served(tmp_path, weights, damage, words):
     path = tmp_path / "w.pt"
@@ -234,6 +241,9 @@ def test_labels_in_a_model_file_are_named_as_the_model_files(tmp_path):
         m.conv1, "weight", 0.5),
      "it holds pruned weights (conv1.weight_orig, conv1.weight_mask): make the pruning "
      "permanent before saving, torch.nn.utils.prune.remove(module, 'weight')"),
+    (lambda m: setattr(m, "conv1", torch.nn.utils.weight_norm(m.conv1)),
+     "it holds weight-normalised weights (conv1.weight_g, conv1.weight_v): "
+     "torch.nn.utils.remove_weight_norm(module)"),
     (lambda m: torch.nn.utils.parametrizations.weight_norm(m.fc),
      "it holds reparametrized weights (fc.parametrizations.weight.original0, "
      "fc.parametrizations.weight.original1): remove the parametrization before saving"),

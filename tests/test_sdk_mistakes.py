@@ -204,8 +204,9 @@ def test_a_pipe_is_read_and_a_device_that_never_ends_stops_at_the_send_limit(ser
     import socket
     import threading
 
-    fifo = tmp_path / "pipe.png"
+    fifo, unwritten = tmp_path / "pipe.png", tmp_path / "nobody-writes.png"
     os.mkfifo(fifo)
+    os.mkfifo(unwritten)   # (its open waited for a writer for ever)
     data = encode(SMALL)
     writer = threading.Thread(target=lambda: fifo.write_bytes(data))
     writer.start()
@@ -216,8 +217,9 @@ def test_a_pipe_is_read_and_a_device_that_never_ends_stops_at_the_send_limit(ser
     try:
         with server.client(options=[("grpc.max_send_message_length", 1 << 20)]) as c:
             piped = c.extract(fifo, ["layer1"])["layer1"]
-            zero, socket_file, ok = c.extract_many(
-                ["/dev/zero", str(tmp_path / "sock.png"), str(good)], ["layer1"])
+            zero, socket_file, empty, ok = c.extract_many(
+                ["/dev/zero", str(tmp_path / "sock.png"), str(unwritten), str(good)],
+                ["layer1"])
     finally:
         writer.join()
         sock.close()
@@ -225,6 +227,8 @@ def test_a_pipe_is_read_and_a_device_that_never_ends_stops_at_the_send_limit(ser
     assert isinstance(zero.error, hookserve.ResourceExhausted)
     assert f"its file of more than {1 << 20} bytes is over this client's limit" \
         in str(zero.error)
+    assert isinstance(empty.error, hookserve.InvalidArgument)
+    assert "image is empty (0 bytes)" in str(empty.error)
     assert isinstance(socket_file.error, hookserve.InvalidArgument)
     assert "it is a socket or a block device, not a file" in str(socket_file.error)
 
@@ -285,6 +289,11 @@ def test_a_torch_tensor_image_says_how_to_pass_it(server):
     with server.client() as c, pytest.raises(hookserve.InvalidArgument,
                                              match=r"img.permute\(1, 2, 0\)"):
         c.extract(torch.zeros(3, 8, 8), ["fc"])
+
+
+def test_options_none_means_the_defaults(server):
+    with hookserve.Client(server.address, options=None) as c:
+        assert c.list_models()
 
 
 @pytest.mark.parametrize("kw, words", [

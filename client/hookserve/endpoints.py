@@ -129,6 +129,7 @@ class Endpoints:
         self.metadata = (("authorization", f"Bearer {token.strip()}"),) if token else ()
         # the caller's options replace the defaults of the same name (gRPC would take
         # the first of two)
+        options = options or ()
         given = {name for name, _ in options}
         self._options = [o for o in [*CHANNEL_OPTIONS, *([] if aio else SYNC_OPTIONS)]
                          if o[0] not in given] + list(options)

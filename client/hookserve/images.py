@@ -49,7 +49,11 @@ def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
     if regular and limit is not None and st.st_size > limit:
         raise TooLarge(st.st_size, limit)
     most = limit if limit is not None else MAX_STREAM_BYTES
-    with open(path, "rb") as fh:
+    # Opened without waiting (a pipe no one writes to would block the open for ever:
+    # it reads as empty instead), then read as usual.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    os.set_blocking(fd, True)
+    with open(fd, "rb") as fh:
         data = fh.read(most + 1)
     if len(data) > most:   # (a regular file that grew since, or an endless stream)
         raise TooLarge(f"more than {most}", most)

@@ -272,6 +272,10 @@ def _reparametrized(unexpected: list[str]) -> str | None:
         return ("it holds pruned weights (" + ", ".join(pruned[:2]) + "): make the "
                 "pruning permanent before saving, torch.nn.utils.prune.remove(module, "
                 "'weight') for each pruned module")
+    if norm := [k for k in unexpected if k.endswith("_g") and k[:-2] + "_v" in unexpected]:
+        return ("it holds weight-normalised weights (" + ", ".join(
+            [norm[0], norm[0][:-2] + "_v"]) + "): torch.nn.utils.remove_weight_norm(module) "
+                "for each such module before saving")
     if kept := [k for k in unexpected if ".parametrizations." in k and ".original" in k]:
         return ("it holds reparametrized weights (" + ", ".join(kept[:2]) + "): "
                 "remove the parametrization before saving, torch.nn.utils.parametrize."

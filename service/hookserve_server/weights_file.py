@@ -65,8 +65,8 @@ def _check_archive(path: Path) -> None:
                         pass
     except zipfile.BadZipFile as exc:
         bad = str(exc).rsplit(" ", 1)[-1] if "Bad CRC-32" in str(exc) else f"? ({exc})"
-    except (OSError, EOFError) as exc:
-        bad = f"? ({exc})"
+    except (OSError, EOFError, ValueError, RuntimeError) as exc:   # (a damaged header:
+        bad = f"? ({type(exc).__name__})"                          # its name undecodable)
     if bad is not None:
         raise ConfigError(f"weights file {path} is damaged: its record {bad[:100]} does not "
                           "match its checksum (a copy cut or corrupted on the way?): copy "
