@@ -39,8 +39,9 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-#: The initial metadata each Extract and Attribute stream's server sends: JSON
-#: {model: weights digest} of every model it serves (hookserve.proto, Extract).
+#: The initial metadata each Extract and Attribute stream's server sends: JSON {model:
+#: the first characters of its weights digest} of every model it serves
+#: (hookserve.proto, Extract).
 WEIGHTS_HEADER = "hookserve-weights-bin"
 
 

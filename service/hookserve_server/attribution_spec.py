@@ -40,6 +40,14 @@ class Method(Labelled):
         return METHODS[self].cam
 
 
+#: The options of one method alone (the spec's fields, the Open Inference Protocol's
+#: request parameters of the same names): given for another method, they are refused.
+OPTION_METHODS = {"ig_steps": Method.INTEGRATED_GRADIENTS,
+                  "ig_baseline": Method.INTEGRATED_GRADIENTS,
+                  "sg_samples": Method.SMOOTH_GRAD, "sg_sigma": Method.SMOOTH_GRAD,
+                  "sg_seed": Method.SMOOTH_GRAD}
+
+
 class Score(Labelled):
     """The class score a map explains (hookserve.v1.AttributionScore)."""
 

@@ -40,6 +40,11 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
         #: the request size limit, reported by DescribeModel (0: not reported)
         self.max_message_bytes = max_message_bytes
 
+    @functools.cached_property
+    def _weights_header(self) -> tuple:
+        """Every stream's initial metadata (the served models do not change)."""
+        return wire.weights_header(self.engine.models.values())
+
     @mapped
     def ListModels(self, request, context):
         with self.calls.observed("ListModels", context, {"model": ""}):
@@ -99,8 +104,8 @@ class Servicer(pb_grpc.FeatureExtractorServicer):
         image's answer as `messages(result, chunk_bytes)` then its status."""
         stats = call_stats()
         with self.calls.observed(method, context, stats), self.streams.work_slot(method):
-            if header := wire.weights_header(self.engine.models.values()):
-                context.send_initial_metadata(header)
+            if self._weights_header:
+                context.send_initial_metadata(self._weights_header)
             session = self.engine.session(call_deadline(context))
             context.add_callback(session.cancel)
             encode = functools.partial(messages, chunk_bytes=self.chunk_bytes)

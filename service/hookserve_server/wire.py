@@ -22,6 +22,7 @@ from .attribution_spec import (
     DEFAULT_IG_STEPS,
     DEFAULT_SG_SAMPLES,
     DEFAULT_SG_SIGMA,
+    OPTION_METHODS,
     AttributeInput,
     AttributionOutput,
     AttributionSpec,
@@ -102,19 +103,12 @@ def to_image(msg: pb.Image, cls: type[ImageInput] = ImageInput, **extra) -> Imag
     return cls(msg.id, encoded=msg.encoded, **extra)
 
 
-#: The spec's fields that belong to one method (set for another, refused).
-_METHOD_OPTIONS = (("ig_steps", Method.INTEGRATED_GRADIENTS),
-                   ("ig_baseline", Method.INTEGRATED_GRADIENTS),
-                   ("sg_samples", Method.SMOOTH_GRAD), ("sg_sigma", Method.SMOOTH_GRAD),
-                   ("sg_seed", Method.SMOOTH_GRAD))
-
-
 def to_attribution_spec(msg: pb.AttributionSpec) -> AttributionSpec:
     """Unset (zero) numbers take the defaults the proto documents."""
     if msg.method == 0:
         raise InvalidArgument(f"the spec sets no method: use one of {Method.labels()}")
     method = _enum(Method, msg.method, None, "invalid method")
-    for field, owner in _METHOD_OPTIONS:   # another method's option would be ignored
+    for field, owner in OPTION_METHODS.items():   # another method's would be ignored
         value = getattr(msg, field)
         if value and not (field == "ig_baseline" and value == pb.ATTRIBUTION_BASELINE_ZEROS) \
                 and owner is not method:

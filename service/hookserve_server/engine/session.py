@@ -104,6 +104,7 @@ class Session:
             self._woken.set_result(None)
         except InvalidStateError:   # (cancelled before)
             pass
+        self._budget.wake()
 
     def _outcome(self, fut: Future) -> BaseException | None:
         """The image's error (None: its outputs are `fut.result()`), read without
@@ -115,7 +116,6 @@ class Session:
         if not fut.done():
             return Cancelled("the call was cancelled before this image was answered")
         return fut.exception()
-        self._budget.wake()
 
     def drain(self) -> None:
         """Shutdown began: end the call now if nothing of it is in flight."""

@@ -20,6 +20,7 @@ from ..attribution_spec import (
     DEFAULT_SG_SAMPLES,
     DEFAULT_SG_SIGMA,
     MAX_SG_SIGMA,
+    OPTION_METHODS,
     AttributeInput,
     AttributionSpec,
     Baseline,
@@ -75,8 +76,8 @@ def spec_of(call: rq.InferCall, model: str, method: Method) -> AttributionSpec:
     p = call.params
     rq.check_params(p, PARAMETERS, " for an attribution")
     for key in p:   # options of another method would be ignored: say so
-        owner = {"ig": Method.INTEGRATED_GRADIENTS, "sg": Method.SMOOTH_GRAD}.get(key[:2])
-        if owner is not None and key[2:3] == "_" and owner is not method:
+        owner = OPTION_METHODS.get(key)
+        if owner is not None and owner is not method:
             raise InvalidArgument(f"request parameter {key} is an option of "
                                   f"{owner.label}, not of {method.label}: drop it, or use "
                                   f"{model}.{owner.label}")
