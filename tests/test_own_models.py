@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -40,8 +42,9 @@ def fine_tuned(arch: str, seed: int = 0) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[tuple[str, str], object]:
-    """(arch, suffix) -> path; each architecture saved as .pt and as .safetensors."""
+def checkpoints(tmp_path_factory) -> Iterator[dict[tuple[str, str], object]]:
+    """(arch, suffix) -> path; each architecture saved as .pt and as .safetensors;
+    the files (about 1 GB) are removed after the module."""
     d = tmp_path_factory.mktemp("own")
     out = {}
     for arch in FINE_TUNED:
@@ -50,7 +53,8 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, str], object]:
         torch.save(sd, out[arch, ".pt"])
         out[arch, ".safetensors"] = d / f"{arch}-10.safetensors"
         safetensors_torch.save_file(sd, str(out[arch, ".safetensors"]))
-    return out
+    yield out
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def hooked(model: torch.nn.Module, img: np.ndarray, layers, mean, std) -> dict:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,9 +145,9 @@ def _env(tmp: Path, extra: dict[str, str] | None) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, tuple[int, str, Case]]:
+def results(tmp_path_factory) -> Iterator[dict[str, tuple[int, str, Case]]]:
     """Each case's (exit status, stderr, case with its placeholders filled in); the
-    processes run four at a time."""
+    processes run four at a time, and their files are removed after the module."""
     d = tmp_path_factory.mktemp("startup")
     _write_files(d)
     taken = socket.socket()
@@ -165,9 +167,11 @@ def results(tmp_path_factory) -> dict[str, tuple[int, str, Case]]:
 
     try:
         with ThreadPoolExecutor(4) as pool:
-            return dict(zip(CASES, pool.map(run, CASES.values()), strict=True))
+            out = dict(zip(CASES, pool.map(run, CASES.values()), strict=True))
     finally:
         taken.close()
+    yield out
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _message(line: str) -> str:
