@@ -196,19 +196,44 @@ def test_a_connection_that_fails_says_what_to_change(make_server):
         c.list_models()
 
 
-def test_a_pipe_is_read_and_a_device_that_never_ends_stops_at_the_send_limit(server,
-                                                                             tmp_path):
-    """A pipe (`<(curl ...)`) is read as a file; /dev/zero is read up to the client's
-    send limit, not until memory runs out; a socket is refused; the rest goes on."""
+def _late_writer(fifo, data: bytes, within: float = 60.0) -> None:
+    """Write `data` into the named pipe once a reader has it open, not before (its
+    open with O_NONBLOCK fails with ENXIO while no reader has)."""
+    import errno
+    import os
+    import time
+
+    end = time.monotonic() + within
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:
+            if e.errno != errno.ENXIO or time.monotonic() > end:
+                raise
+            time.sleep(0.001)
+    os.set_blocking(fd, True)
+    with open(fd, "wb") as fh:
+        fh.write(data)
+
+
+def test_a_pipe_is_read_and_a_device_that_never_ends_stops_at_the_send_limit(
+        server, tmp_path, monkeypatch):
+    """A named pipe is read as a file, also when its writer opens it after the client
+    (it read as empty); one no one writes to is refused after a bounded wait; /dev/zero
+    is read up to the client's send limit, not until memory runs out; a socket is
+    refused; the rest goes on."""
     import os
     import socket
     import threading
+
+    import hookserve.images
 
     fifo, unwritten = tmp_path / "pipe.png", tmp_path / "nobody-writes.png"
     os.mkfifo(fifo)
     os.mkfifo(unwritten)   # (its open waited for a writer for ever)
     data = encode(SMALL)
-    writer = threading.Thread(target=lambda: fifo.write_bytes(data))
+    writer = threading.Thread(target=_late_writer, args=(fifo, data))
     writer.start()
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(tmp_path / "sock.png"))
@@ -216,7 +241,9 @@ def test_a_pipe_is_read_and_a_device_that_never_ends_stops_at_the_send_limit(ser
     good.write_bytes(data)
     try:
         with server.client(options=[("grpc.max_send_message_length", 1 << 20)]) as c:
+            monkeypatch.setattr(hookserve.images, "PIPE_WAIT_S", 60.0)
             piped = c.extract(fifo, ["layer1"])["layer1"]
+            monkeypatch.setattr(hookserve.images, "PIPE_WAIT_S", 0.5)
             zero, socket_file, empty, ok = c.extract_many(
                 ["/dev/zero", str(tmp_path / "sock.png"), str(unwritten), str(good)],
                 ["layer1"])
@@ -228,7 +255,8 @@ def test_a_pipe_is_read_and_a_device_that_never_ends_stops_at_the_send_limit(ser
     assert f"its file of more than {1 << 20} bytes is over this client's limit" \
         in str(zero.error)
     assert isinstance(empty.error, hookserve.InvalidArgument)
-    assert "image is empty (0 bytes)" in str(empty.error)
+    assert "no one wrote to this named pipe within 0.5 s: start its writer" \
+        in str(empty.error)
     assert isinstance(socket_file.error, hookserve.InvalidArgument)
     assert "it is a socket or a block device, not a file" in str(socket_file.error)
 

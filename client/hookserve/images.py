@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import stat
 from typing import Any
 
@@ -36,9 +37,10 @@ MAX_STREAM_BYTES = (2 << 30) - 1
 def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
     """An image file's bytes, at most `limit` (the client's send limit: a larger
     request could not be sent). A regular file over it is refused from its size,
-    unread; a pipe (``<(curl ...)``) or a character device (``/dev/stdin``) is read up
-    to it, so one that never ends (``/dev/zero``) ends there. A folder, a socket or a
-    block device is refused."""
+    unread; a pipe (``<(curl ...)``, a named pipe) or a character device
+    (``/dev/stdin``) is read up to it, so one that never ends (``/dev/zero``) ends
+    there. A named pipe waits up to :data:`PIPE_WAIT_S` for its writer. A folder, a
+    socket or a block device is refused."""
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
@@ -49,15 +51,32 @@ def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
     if regular and limit is not None and st.st_size > limit:
         raise TooLarge(st.st_size, limit)
     most = limit if limit is not None else MAX_STREAM_BYTES
-    # Opened without waiting (a pipe no one writes to would block the open for ever:
-    # it reads as empty instead), then read as usual.
+    # Opened without waiting: a named pipe's open would block until a writer opened it,
+    # for ever if none does. Its writer is then waited for, a bounded time.
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    os.set_blocking(fd, True)
     with open(fd, "rb") as fh:
+        if stat.S_ISFIFO(st.st_mode):
+            _await_writer(fd)
+        os.set_blocking(fd, True)
         data = fh.read(most + 1)
     if len(data) > most:   # (a regular file that grew since, or an endless stream)
         raise TooLarge(f"more than {most}", most)
     return data
+
+
+#: How long a named pipe's reader waits for a writer to open it and write or close.
+PIPE_WAIT_S = 30.0
+
+
+def _await_writer(fd: int) -> None:
+    """Wait until the pipe has data or its writer closed it. Linux reports neither for
+    a pipe no writer has opened yet, so this is a wait for the writer (a
+    ``mkfifo p; producer > p &`` whose producer has not started, which read as empty)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    if not poller.poll(PIPE_WAIT_S * 1000):
+        raise ValueError(f"no one wrote to this named pipe within {PIPE_WAIT_S:g} s: "
+                         "start its writer before the call, or give the image's file")
 
 
 def to_image(obj: Any, image_id: str, limit: int | None = None) -> pb.Image:
