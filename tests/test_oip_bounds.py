@@ -316,3 +316,48 @@ def test_typed_values_in_another_types_field_name_the_right_one(srv):
 def test_rest_json_counts_are_bounded_as_the_grpc_ones(srv, body, words):
     status, answer = infer(srv, body)
     assert status == 400 and words in answer["error"], answer
+
+
+def test_a_failed_image_stops_the_images_behind_it(make_server):
+    """An inference is answered as one: the first image to fail fails it at once, and
+    the images behind it are not run (all 199 others were, their answers dropped)."""
+    from helpers import METRICS, computed
+
+    s = make_server(*small_server("--http-port", "0", *METRICS))
+    data = [{"b64": base64.b64encode(IMG).decode()}] * 200
+    data[5] = {"b64": base64.b64encode(b"not an image").decode()}
+    status, answer = infer(s, {"inputs": [{**GOOD, "shape": [200], "data": data}]})
+    assert status == 400, answer
+    assert answer["error"].startswith("IMAGE[5] (image 6 of 200): "), answer
+    assert computed(s) <= 5
+
+
+def test_a_requests_images_are_admitted_together_or_not_at_all():
+    """Room in the queue for all of a request's images is taken at once: a request the
+    queue cannot hold whole is refused before any image runs; its images take their
+    places without a wait; what they did not take is given back."""
+    from hookserve_server.engine.admission import Admission
+    from hookserve_server.engine.types import CallState
+    from hookserve_server.errors import ResourceExhausted
+
+    adm = Admission(max_queue=4, wait_s=0.01)
+    other = [adm.admit(CallState()) for _ in range(2)]
+    call = CallState()
+    with pytest.raises(ResourceExhausted, match=r"2 images queued \(--max-queue 4\) "
+                                                r"\(this request's 3 images need room "
+                                                r"together\); retry after"):
+        with adm.room_for(3, call):
+            pass
+    assert adm.admitted == 2 and call.room is None
+    with adm.room_for(2, call):
+        assert adm.admitted == 4
+        mine = adm.admit(call)   # the queue is full: it takes its own place
+        assert adm.admitted == 4
+        with pytest.raises(ResourceExhausted):
+            adm.admit(CallState())
+    assert adm.admitted == 3     # the place not taken was given back
+    for permit in (mine, *other):
+        permit.release()
+    assert adm.admitted == 0
+    with adm.room_for(5, call):   # more than the queue: one by one, as they come
+        assert call.room is None and adm.admitted == 0

@@ -4,12 +4,18 @@ Each admitted image holds a Permit until its answer (or error) is set on its fut
 the permit is tied to the future (`Permit.bind`), so it is released exactly once,
 whichever stage ends the image. `with permit:` releases it on leaving the block for
 code that holds it in one place.
+
+A request answered as one (an Open Inference Protocol inference of N images) takes
+room for all its images at once (`Admission.room_for`): it is refused before any of
+them runs, never after some have.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 from ..errors import ResourceExhausted, Unavailable
@@ -41,26 +47,74 @@ class Admission:
             self._cond.notify_all()
 
     def admit(self, call: CallState) -> Permit:
-        """Wait up to `wait_s` for room; RESOURCE_EXHAUSTED (with a retry hint) after."""
+        """Wait up to `wait_s` for room; RESOURCE_EXHAUSTED (with a retry hint) after.
+        A call that holds room already (`room_for`) takes from it, without a wait."""
+        block = call.room
+        if block is not None and block.take():
+            return Permit(self)
+        self._wait_room(1, call)
+        return Permit(self)
+
+    @contextlib.contextmanager
+    def room_for(self, n: int, call: CallState) -> Iterator[None]:
+        """Room for all `n` images of one request, taken at once (after waiting up to
+        `wait_s`, as `admit`) and given to `call`: its images are admitted from it
+        without a wait. What the call did not take is given back at the block's end.
+        More images than --max-queue are admitted one by one as they come."""
+        if n <= 1 or n > self.max_queue:
+            yield
+            return
+        self._wait_room(n, call)
+        call.room = block = Room(n)
+        try:
+            yield
+        finally:
+            call.room = None
+            left = block.close()
+            if left:
+                self._release(left)
+
+    def _wait_room(self, n: int, call: CallState) -> None:
         with self._cond:
             end = time.monotonic() + self.wait_s
-            while self._admitted >= self.max_queue and not self._closing:
+            while self._admitted + n > self.max_queue and not self._closing:
                 left = end - time.monotonic()
                 if left <= 0 or call.cancelled:
+                    need = f" (this request's {n} images need room together)" if n > 1 else ""
                     raise ResourceExhausted(
                         f"server overloaded: {self._admitted} images queued (--max-queue "
-                        f"{self.max_queue}); retry after a short delay",
+                        f"{self.max_queue}){need}; retry after a short delay",
                         retry_after_s=0.5)
                 self._cond.wait(left)
             if self._closing:
                 raise Unavailable("server is shutting down: retry on another replica")
-            self._admitted += 1
-        return Permit(self)
+            self._admitted += n
 
-    def _release(self) -> None:
+    def _release(self, n: int = 1) -> None:
         with self._cond:
-            self._admitted -= 1
+            self._admitted -= n
             self._cond.notify_all()
+
+
+class Room:
+    """Room taken for a request's images together: each image takes one place."""
+
+    def __init__(self, n: int) -> None:
+        self._left = n
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self._left <= 0:
+                return False
+            self._left -= 1
+            return True
+
+    def close(self) -> int:
+        """The places not taken (none can be taken from here on)."""
+        with self._lock:
+            left, self._left = self._left, 0
+            return left
 
 
 class Permit:

@@ -4,10 +4,12 @@ a `Pipeline`, the few members it uses."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from typing import Protocol
@@ -91,6 +93,9 @@ class Session:
         # 64-bit digests of the last ID_HISTORY non-empty ids, oldest first.
         #: hashes of the ids seen, oldest first (a dict keeps insertion order)
         self._ids: dict[int, None] = {}
+        self._fail_fast = False
+        #: (index, error) of the first image that failed, on a `fail_fast` run
+        self.failure: tuple[int, HookserveError] | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -178,13 +183,17 @@ class Session:
         return plan, self._budget.reserve(plan.answer_bytes, lambda: self.cancelled)
 
     # -- the call ------------------------------------------------------------------------
-    def run(self, requests: Iterable[ExtractionSpec | ImageInput]) -> Iterator[ImageResult]:
+    def run(self, requests: Iterable[ExtractionSpec | ImageInput],
+            fail_fast: bool = False) -> Iterator[ImageResult]:
         """Consume requests on a reader thread; yield one ImageResult per image, in order.
 
         A bad spec ends the iteration by raising its HookserveError, after the images
         sent before it have been yielded. So does shutdown (Unavailable), once the
-        images already admitted have been yielded.
+        images already admitted have been yielded. `fail_fast` (a call answered as
+        one, which one failed image fails): the first image to fail cancels the call at
+        once, so the images queued behind it do not run, and is kept in `failure`.
         """
+        self._fail_fast = fail_fast
         self.engine.register(self)
         reader = threading.Thread(target=self._read, args=(requests,),
                                   name="hookserve-reader", daemon=True)
@@ -260,6 +269,7 @@ class Session:
 
     def _read(self, requests) -> None:
         out = self._out
+        me = weakref.ref(self)
         spec: ResolvedSpec | None = None
         index = 0
         try:
@@ -278,6 +288,8 @@ class Session:
                 # The future is all later stages hold of this image's call, with
                 # self.call; nothing they keep points back to this Session.
                 fut: Future = Future()
+                if self._fail_fast:   # (a weak reference: the future must not hold us)
+                    fut.add_done_callback(functools.partial(_failed, me, index))
                 reservation = plan = None
                 try:
                     plan, reservation = self._plan_and_reserve(spec, req)
@@ -311,3 +323,15 @@ class Session:
             if self.cancelled:  # run() may have emptied the queue before our last put
                 self._drop_unsent()
             out.put(None)
+
+
+def _failed(ref: weakref.ref, index: int, fut: Future) -> None:
+    """A fail-fast run's image is done: the first to fail cancels its call."""
+    session = ref()
+    if session is None or fut.cancelled() or fut.exception() is None:
+        return
+    with session._cond:
+        if session.failure is not None:
+            return
+        session.failure = (index, fut.exception())
+    session.cancel()

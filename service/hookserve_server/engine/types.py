@@ -23,6 +23,7 @@ from ..telemetry import Telemetry
 
 if TYPE_CHECKING:
     from ..capture.plan import CapturePlan
+    from .admission import Room
 
 
 class Job(Protocol):
@@ -131,6 +132,9 @@ class CallState:
 
     def __init__(self, deadline: float | None = None) -> None:
         self.deadline = deadline
+        #: room in the queue taken for all this call's images at once
+        #: (`Admission.room_for`); None: each image waits for its own
+        self.room: Room | None = None
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._on_cancel: list = []

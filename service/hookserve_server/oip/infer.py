@@ -189,32 +189,43 @@ class Inference:
 
     def results(self, spec, images, stats: dict, on_cancel, deadline, input_name: str
                 ) -> list[ImageResult]:
-        """Every image's result, in order, through one Session; the first failed image
-        fails the call, naming its index; the answer's size is held to the limit."""
+        """Every image's result, in order, through one Session; the first image to fail
+        fails the call at once, naming its index, and the images queued behind it do
+        not run. Room in the queue is taken for all the images together before any
+        runs. The answer's size is held to the limit."""
         session = self.engine.session(deadline)
         on_cancel(session.cancel)
-        run = (session.run_one(spec, images[0]) if len(images) == 1
-               else session.run(iter([spec, *images])))
+        admission = self.engine.admission
         model = stats["model"]
         telemetry = self.engine.telemetry
         out: list[ImageResult] = []
-        with contextlib.closing(run):
-            for result in run:
-                stats["images"] += 1
-                if result.error is not None:
-                    stats["failed"] += 1
-                    telemetry.image_done(model, result.error.code)
-                    raise _at_index(result.error, input_name, result.index, len(images))
-                nbytes = sum(o.nbytes for o in result.outputs or ())
-                stats["bytes"] += nbytes
-                if stats["bytes"] > self.answer_limit:
-                    raise ResourceExhausted(
-                        f"the answer is over {self.answer_limit} bytes, this server's "
-                        f"limit for one answer (--max-stream-buffer-bytes): "
-                        f"{OVER_LIMIT_FIX}")
-                telemetry.bytes_sent(model, nbytes)
-                telemetry.image_done(model, "OK")
-                out.append(result)
+        result = None
+        with admission.room_for(len(images), session.call):
+            run = (session.run_one(spec, images[0]) if len(images) == 1
+                   else session.run(iter([spec, *images]), fail_fast=True))
+            with contextlib.closing(run):
+                for result in run:
+                    if result.error is not None:
+                        break
+                    stats["images"] += 1
+                    nbytes = sum(o.nbytes for o in result.outputs or ())
+                    stats["bytes"] += nbytes
+                    if stats["bytes"] > self.answer_limit:
+                        raise ResourceExhausted(
+                            f"the answer is over {self.answer_limit} bytes, this server's "
+                            f"limit for one answer (--max-stream-buffer-bytes): "
+                            f"{OVER_LIMIT_FIX}")
+                    telemetry.bytes_sent(model, nbytes)
+                    telemetry.image_done(model, "OK")
+                    out.append(result)
+                    result = None
+        failed = session.failure or (result is not None and (result.index, result.error))
+        if failed:
+            index, error = failed
+            stats["images"] += 1
+            stats["failed"] += 1
+            telemetry.image_done(model, error.code)
+            raise _at_index(error, input_name, index, len(images))
         if len(out) < len(images):   # the session stopped early: the call ended under it
             expired = deadline is not None and time.monotonic() >= deadline
             why = "its deadline passed" if expired else "it was cancelled"
