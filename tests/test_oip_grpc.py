@@ -145,9 +145,19 @@ def test_unknown_layer_and_bad_image(triton):
         triton.infer("resnet18", [image_input([good])],
                      outputs=requested({"fc": {"reduction": "mean"}}))
     assert "reduction='mean': use one of none, avg, max" in err.value.message()
-    with pytest.raises(InferenceServerException) as err:
-        triton.get_model_repository_index()
-    assert code_of(err.value) == "StatusCode.UNIMPLEMENTED"
+    for call, words in [
+            (triton.get_model_repository_index, "the model repository (load, unload, "
+                                                "index): it serves the models it was "
+                                                "started with (--model, --models)"),
+            (lambda: triton.load_model("resnet18"), "the model repository"),
+            (triton.get_system_shared_memory_status, "system shared memory: send tensors"),
+            (lambda: triton.unregister_cuda_shared_memory("r"), "CUDA shared memory"),
+            (triton.get_trace_settings, "trace settings: its call log is on stderr"),
+            (triton.get_log_settings, "log settings: set --log-level")]:
+        with pytest.raises(InferenceServerException) as err:
+            call()
+        assert code_of(err.value) == "StatusCode.UNIMPLEMENTED"
+        assert f"hookserve does not support {words}" in err.value.message()
     assert triton.is_server_live()  # the server goes on
 
 

@@ -40,14 +40,6 @@ if TYPE_CHECKING:
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404,
                "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "INTERNAL": 500,
                "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
-#: Triton's routes for extensions hookserve does not have (a path under any of these).
-UNSUPPORTED = {
-    "/v2/repository": ("the model repository (load, unload, index)",
-                       "it serves the models it was started with (--model, --models)"),
-    "/v2/systemsharedmemory": ("system shared memory", "send tensors in the request"),
-    "/v2/cudasharedmemory": ("CUDA shared memory", "send tensors in the request"),
-    "/v2/trace": ("trace settings", "its call log is on stderr (--log-level)"),
-    "/v2/logging": ("log settings", "set --log-level and --log-format at start-up")}
 ROUTES = ("GET /v2/health/live, /v2/health/ready, /v2, /v2/models/stats, "
           "/v2/models/{model}[/versions/{v}][/ready|/config|/stats]; "
           "POST /v2/models/{model}[/versions/{v}]/infer")
@@ -57,9 +49,9 @@ def unknown_route(method: str, path: str, allowed: str | None) -> tuple[int, str
     """The status and message for a request no route serves."""
     if allowed:
         return 405, f"{method} is not allowed on {path[:200]}: use {allowed}"
-    for prefix, (what, instead) in UNSUPPORTED.items():
+    for prefix, _methods, what, instead in md.UNSUPPORTED:
         if path == prefix or path.startswith(prefix + "/"):
-            return 501, f"hookserve does not support {what}: {instead}"
+            return 501, md.unsupported(what, instead)
     return 404, f"no route {method} {path[:200]}: hookserve's REST routes are {ROUTES}"
 
 

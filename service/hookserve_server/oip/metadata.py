@@ -25,6 +25,26 @@ if TYPE_CHECKING:
 EXTENSIONS = ("classification", "binary_tensor_data", "model_configuration",
               "statistics")
 PLATFORM = "hookserve_pytorch"
+#: Triton's extensions hookserve does not have: their REST route prefix, their gRPC
+#: methods, what they are, and what to do instead (REST 501, gRPC UNIMPLEMENTED).
+UNSUPPORTED = (
+    ("/v2/repository", ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"),
+     "the model repository (load, unload, index)",
+     "it serves the models it was started with (--model, --models)"),
+    ("/v2/systemsharedmemory", ("SystemSharedMemoryStatus", "SystemSharedMemoryRegister",
+                                "SystemSharedMemoryUnregister"),
+     "system shared memory", "send tensors in the request"),
+    ("/v2/cudasharedmemory", ("CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
+                              "CudaSharedMemoryUnregister"),
+     "CUDA shared memory", "send tensors in the request"),
+    ("/v2/trace", ("TraceSetting",), "trace settings",
+     "its call log is on stderr (--log-level)"),
+    ("/v2/logging", ("LogSettings",), "log settings",
+     "set --log-level and --log-format at start-up"))
+
+
+def unsupported(what: str, instead: str) -> str:
+    return f"hookserve does not support {what}: {instead}"
 #: What an output answers when its request names no dtype.
 DEFAULT_DATATYPE = DATATYPES[DEFAULT_DTYPE]
 INPUTS = [{"name": IMAGE, "datatype": "BYTES", "shape": [-1]},

@@ -322,7 +322,18 @@ def add_to_server(servicer: OipServicer, server: grpc.Server) -> None:
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         servicer.ModelStreamInfer, request_deserializer=None,
         response_serializer=pb.ModelStreamInferResponse.SerializeToString)
+    for _prefix, methods, what, instead in md.UNSUPPORTED:
+        for name in methods:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _unimplemented(md.unsupported(what, instead)))
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
+
+def _unimplemented(message: str):
+    """A handler for a protocol method hookserve does not have: UNIMPLEMENTED saying
+    what to do instead (grpc's own answer is "Method not found!")."""
+    def handler(request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+    return handler
