@@ -361,3 +361,63 @@ def test_a_requests_images_are_admitted_together_or_not_at_all():
     assert adm.admitted == 0
     with adm.room_for(5, call):   # more than the queue: one by one, as they come
         assert call.room is None and adm.admitted == 0
+
+
+def _rest_and_grpc(srv, model: str, inputs: list[dict], params: dict | None = None):
+    """The same request over REST (JSON) and gRPC (typed contents): both answers as
+    (code name, message)."""
+    from hookserve_server.oip import grpc_service_pb2 as pb
+    status, answer = infer(srv, {"inputs": inputs, "parameters": params or {}}, model)
+    rest = ({400: "INVALID_ARGUMENT", 200: "OK"}.get(status, str(status)),
+            answer.get("error", ""))
+    req = pb.ModelInferRequest(model_name=model)
+    for k, v in (params or {}).items():
+        req.parameters[k].int64_param = v
+    for t in inputs:
+        one = req.inputs.add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+        for k, v in t.get("parameters", {}).items():
+            one.parameters[k].string_param = v
+        if t["datatype"] == "BYTES":
+            one.contents.bytes_contents.extend(base64.b64decode(e["b64"]) for e in t["data"])
+        else:
+            one.contents.int64_contents.extend(t["data"])
+    return rest, _model_infer(srv, req)
+
+
+B64 = {"b64": base64.b64encode(IMG).decode()}
+
+
+@pytest.mark.parametrize("model, inputs, params, words", [
+    # an input's parameter that nothing reads (an output's or the request's is refused)
+    ("resnet18", [{**GOOD, "parameters": {"foo": "r"}}], None,
+     "input 'IMAGE': unknown parameter 'foo': an input takes none but binary_data_size"),
+    # a tensor of one element per image is [N] (or Triton's batched [N, 1])
+    ("resnet18", [{**GOOD, "shape": []}], None,
+     "IMAGE: shape []: use [N], one element per image (or [N, 1])"),
+    ("resnet18", [{**GOOD, "shape": [1, 1, 1]}], None, "IMAGE: shape [1, 1, 1]: use [N]"),
+    ("resnet18.grad_cam", [GOOD, {"name": "TARGET", "datatype": "INT64", "shape": [],
+                                  "data": [3]}], None, "TARGET: shape []: use [N]"),
+    # a shape that does not match the contents is named as such
+    ("resnet18.grad_cam", [GOOD, {"name": "TARGET", "datatype": "INT64", "shape": [1],
+                                  "data": [3, 4]}], None,
+     "shape [1] says 1 "),
+    # a class out of range is the request's, named where it was given, before any runs
+    ("resnet18.grad_cam", [GOOD], {"target": -1},
+     "target=-1 is out of range: resnet18 has 1000 classes (0 to 999)"),
+    ("resnet18.grad_cam", [{**GOOD, "shape": [2], "data": [B64, B64]},
+                           {"name": "TARGET", "datatype": "INT64", "shape": [2],
+                            "data": [3, 1000]}], None,
+     "TARGET[1]=1000 is out of range: resnet18 has 1000 classes"),
+])
+def test_a_requests_own_mistakes_are_named_on_both_doors(srv, model, inputs, params, words):
+    for code, message in _rest_and_grpc(srv, model, inputs, params):
+        assert code == "INVALID_ARGUMENT" and words in message, message
+
+
+@pytest.mark.parametrize("shape", [[1], [1, 1]])
+def test_images_and_targets_of_shape_n_or_n_by_1_are_taken(srv, shape):
+    for code, message in _rest_and_grpc(
+            srv, "resnet18.grad_cam",
+            [{**GOOD, "shape": shape}, {"name": "TARGET", "datatype": "INT64",
+                                        "shape": shape, "data": [3]}]):
+        assert code == "OK", message

@@ -272,9 +272,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _add(g, "--port", default=50051, type=int, metavar="PORT",
          help="gRPC port; 0 picks a free one and logs it")
     _add(g, "--max-streams", default=128, type=int, metavar="N",
-         help="concurrent work calls (Extract and Attribute streams and ExtractImage "
-              "calls together); more get RESOURCE_EXHAUSTED with a retry hint (health "
-              "checks and other unary calls have threads of their own)")
+         help="concurrent work calls (Extract, Attribute, ExtractImage, OIP infer); "
+              "more get RESOURCE_EXHAUSTED with a retry hint (health checks and other "
+              "unary calls have threads of their own)")
     _add(g, "--max-side-streams", default=16, type=int, metavar="N",
          help="concurrent calls of each other streaming method (health Watch, "
               "reflection); more get RESOURCE_EXHAUSTED. Threads are kept for them and "

@@ -29,7 +29,7 @@ from ..attribution_spec import (
 )
 from ..errors import InvalidArgument, ModelNotFound
 from . import request as rq
-from .tensors import InferAnswer, OutTensor, element_count, pack_bytes, stack, unpack_ints
+from .tensors import InferAnswer, OutTensor, pack_bytes, stack, unpack_ints
 
 
 class Inference(Protocol):
@@ -119,17 +119,32 @@ def targets(call: rq.InferCall, n: int) -> list[int | None]:
     if given:
         t = given[0]
         if t.datatype not in ("INT64", "INT32"):
-            raise InvalidArgument(f"{TARGET} is INT64 [N] (a class per image), "
+            raise InvalidArgument(f"{TARGET} is INT64 (or INT32) [N], a class per image, "
                                   f"not {t.datatype}")
+        count = rq.per_image_count(t, TARGET)
         values = (unpack_ints(t.data, t.datatype, TARGET) if not isinstance(t.data, list)
                   else [int(v) for v in t.data])
-        if len(values) != n or element_count(t.shape, TARGET) != n:
-            raise InvalidArgument(f"{TARGET}: {len(values)} targets for {n} images: send "
-                                  "one class per image")
+        if len(values) != count:
+            raise InvalidArgument(f"{TARGET}: shape {list(t.shape)} says {count} targets, "
+                                  f"the contents hold {len(values)}")
+        if count != n:
+            raise InvalidArgument(f"{TARGET}: {count} targets for {n} images: send one "
+                                  "class per image")
         return list(values)
     if "target" in call.params:
         return [rq.as_int(call.params["target"], "target")] * n
     return [None] * n
+
+
+def check_targets(call: rq.InferCall, per_target: list[int | None], classes: int,
+                  model: str) -> None:
+    """Refuse a class out of range before any image runs, naming where it was given."""
+    bad = next(((i, t) for i, t in enumerate(per_target)
+                if t is not None and not 0 <= t < classes), None)
+    if bad is not None:
+        where = "target" if "target" in call.params else f"{TARGET}[{bad[0]}]"
+        raise InvalidArgument(f"{where}={bad[1]} is out of range: {model} has {classes} "
+                              f"classes (0 to {classes - 1})")
 
 
 def attribute(inf: Inference, call: rq.InferCall, model: str, method_name: str,
@@ -156,6 +171,7 @@ def attribute(inf: Inference, call: rq.InferCall, model: str, method_name: str,
     inf.check_fits(spec, tensor)
     images = rq.images(tensor)
     per_target = targets(call, len(images))
+    check_targets(call, per_target, inf.engine.resolve(spec).job.num_classes, model)
     images = [AttributeInput(i.id, i.encoded, i.raw, i.height, i.width, target=t)
               for i, t in zip(images, per_target, strict=True)]
     results = inf.results(spec, images, stats, on_cancel, deadline, tensor.name)

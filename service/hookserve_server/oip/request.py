@@ -89,6 +89,22 @@ def no_shared_memory(params: dict, what: str) -> None:
                               "the tensor in the request (and read outputs from the answer)")
 
 
+#: Per-input parameters: the REST binary extension's size (read there), and a codec
+#: hint some clients send (`content_type`), which changes nothing here.
+INPUT_PARAMETERS = ("binary_data_size", "content_type")
+
+
+def check_input_params(params: dict, name: str) -> None:
+    """Refuse an input's parameter hookserve does not read (shared memory first)."""
+    what = f"input {name[:100]!r}"
+    no_shared_memory(params, what)
+    unknown = next((k for k in params if k not in INPUT_PARAMETERS), None)
+    if unknown is not None:
+        raise InvalidArgument(f"{what}: unknown parameter {unknown[:100]!r}: an input takes "
+                              "none but binary_data_size (the REST binary extension); "
+                              "hookserve's settings are request or output parameters")
+
+
 #: The most inputs a request may name: its image input and TARGET, and a third, so that
 #: a request naming both IMAGE and INPUT__0 is told about that.
 MAX_INPUTS = 3
@@ -249,11 +265,19 @@ def too_many_images(n: int) -> str:
             "several requests (or a stream)")
 
 
+def per_image_count(t: InTensor, what: str) -> int:
+    """N, for a tensor of one element per image: shape [N], or Triton's batched [N, 1]."""
+    if len(t.shape) == 1 or (len(t.shape) == 2 and t.shape[1] == 1):
+        return element_count(t.shape, what)
+    raise InvalidArgument(f"{what}: shape {list(t.shape)}: use [N], one element per image "
+                          "(or [N, 1])")
+
+
 def image_count(t: InTensor) -> int:
     """How many images an IMAGE [N] or INPUT__0 [N, H, W, 3] tensor says it holds (from
     its shape, before any is unpacked)."""
     if t.name == IMAGE:
-        return element_count(t.shape, IMAGE)
+        return per_image_count(t, IMAGE)
     return t.shape[0] if t.shape and t.shape[0] >= 0 else 0
 
 
@@ -278,7 +302,7 @@ def _images(t: InTensor) -> list[ImageInput]:
     if t.name == IMAGE:
         if t.datatype != "BYTES":
             raise InvalidArgument(f"{IMAGE} is BYTES (encoded images), not {t.datatype}")
-        n = element_count(t.shape, IMAGE)
+        n = per_image_count(t, IMAGE)
         if isinstance(t.data, list) and len(t.data) == n > MAX_IMAGES:   # (JSON, typed)
             raise InvalidArgument(too_many_images(n))
         try:

@@ -26,6 +26,7 @@ from .request import (
     InferCall,
     InTensor,
     OutRequest,
+    check_input_params,
     distinct_inputs,
     no_shared_memory,
     own_params,
@@ -164,7 +165,7 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
                                   "(encoded images), UINT8 for INPUT__0 (pixels)")
         shape = _shape(t.get("shape"), name)
         params = _object(t.get("parameters"), f"input {name!r}: \"parameters\"")
-        no_shared_memory(params, f"input {name!r}")
+        check_input_params(params, name)
         size = params.get("binary_data_size")
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:

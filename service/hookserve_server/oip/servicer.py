@@ -36,6 +36,7 @@ from .request import (
     InferCall,
     InTensor,
     OutRequest,
+    check_input_params,
     distinct_inputs,
     no_shared_memory,
     own_params,
@@ -93,7 +94,7 @@ def _typed(t) -> list | bytes:
 def to_call(req: pb.ModelInferRequest) -> InferCall:
     raw = req.raw_input_contents
     for t in req.inputs:
-        no_shared_memory(params_of(t.parameters), f"input {t.name[:100]!r}")
+        check_input_params(params_of(t.parameters), t.name)
     if raw and len(raw) != len(req.inputs):
         raise InvalidArgument(f"{len(raw)} raw_input_contents for {len(req.inputs)} inputs: "
                               "send one per input, or typed contents for all")
