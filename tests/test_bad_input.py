@@ -124,16 +124,38 @@ def limited() -> RunningServer:
 
 
 def test_each_bad_image_fails_alone_and_the_stream_goes_on(server):
+    import io
+
+    from PIL import Image
+
     good = encode(rand_image(64, 64, 1), "PNG")
     jpeg = encode(rand_image(96, 96, 2), "JPEG")
     png = encode(rand_image(96, 96, 2), "PNG")
+    buf = io.BytesIO()
+    Image.fromarray(rand_image(96, 96, 2)).save(buf, "TIFF", compression="tiff_lzw")
+    tiff = buf.getvalue()   # (its directory comes last)
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).random((48, 64), dtype=np.float32)).save(
+        buf, "TIFF")
+    float_tiff = buf.getvalue()
+
+    def zero_width(data: bytes) -> bytes:
+        return data[:16] + struct.pack(">I", 0) + data[20:]
+
     cases = [
         # (image request, expected code, words the message must contain)
         (img_msg(b""), INVALID, "empty"),
         (img_msg(None), INVALID, "empty"),                          # neither bytes nor raw
         (img_msg(jpeg[: len(jpeg) // 2]), INVALID, "truncated"),
         (img_msg(png[: len(png) - 40]), INVALID, "truncated"),
-        (img_msg(png[:40]), INVALID, "PNG"),                        # cut inside the header
+        (img_msg(png[:40]), INVALID, "start as a PNG"),             # cut inside the header
+        # cut where PIL cannot even tell the format: named by its signature
+        (img_msg(png[:12]), INVALID, "start as a PNG but its header could not be read "
+                                     "(is the file cut short or damaged?"),
+        (img_msg(tiff[:len(tiff) // 2]), INVALID, "start as a TIFF but its header"),
+        (img_msg(zero_width(png)), INVALID, "PNG"),
+        # floating-point pixels have no one scale (values 0..1 became black)
+        (img_msg(float_tiff), INVALID, "this TIFF holds floating-point pixels (mode F)"),
         (img_msg(b"this is not an image at all, just text" * 10), INVALID, "not a recognised"),
         (img_msg(bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8))),
          INVALID, "not a recognised"),

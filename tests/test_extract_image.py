@@ -106,7 +106,7 @@ BAD = [
      "spec is not set"),
     ("no image", raw_request(None), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
     ("corrupt bytes", raw_request(pb.Image(encoded=b"\xff\xd8\xff garbage")),
-     grpc.StatusCode.INVALID_ARGUMENT, "not a recognised image"),
+     grpc.StatusCode.INVALID_ARGUMENT, "start as a JPEG but its header could not be read"),
     ("truncated png", raw_request(pb.Image(encoded=encode(rand_image(40, 40))[:120])),
      grpc.StatusCode.INVALID_ARGUMENT, ""),
     ("raw size mismatch", raw_request(pb.Image(raw=pb.RawImage(pixels=b"\0" * 10, height=4,

@@ -87,6 +87,19 @@ def decode(image: ImageInput, max_pixels: int) -> np.ndarray:
         ) from None
 
 
+#: The first bytes of each format decoded, as (signature, offset, name).
+_SIGNATURES = ((b"\xff\xd8\xff", 0, "JPEG"), (b"\x89PNG\r\n\x1a\n", 0, "PNG"),
+               (b"GIF87a", 0, "GIF"), (b"GIF89a", 0, "GIF"), (b"II*\x00", 0, "TIFF"),
+               (b"MM\x00*", 0, "TIFF"), (b"WEBP", 8, "WebP"), (b"BM", 0, "BMP"))
+
+
+def _looks_like(data: bytes) -> str:
+    """The accepted format whose signature `data` starts with, or ""."""
+    return next((name for sig, at, name in _SIGNATURES
+                 if data[at:at + len(sig)] == sig
+                 and (name != "WebP" or data[:4] == b"RIFF")), "")
+
+
 def _open(data: bytes | None, max_pixels: int) -> Image.Image:
     """PIL's lazy open (the header only), with format and pixel-count checks."""
     if not data:
@@ -97,6 +110,11 @@ def _open(data: bytes | None, max_pixels: int) -> Image.Image:
     try:
         img = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
+        fmt = _looks_like(data)
+        if fmt:   # its format's signature, and no header PIL can read
+            raise InvalidArgument(
+                f"these {len(data)} bytes start as a {fmt} but its header could not be "
+                "read (is the file cut short or damaged? send all of it)") from None
         raise InvalidArgument(
             f"bytes are not a recognised image ({len(data)} bytes starting "
             f"{data[:8].hex()}): send JPEG, PNG, WebP, BMP, TIFF or GIF"
@@ -112,7 +130,11 @@ def _open(data: bytes | None, max_pixels: int) -> Image.Image:
         )
     w, h = img.size
     if w <= 0 or h <= 0:
-        raise InvalidArgument(f"image has no pixels ({w}x{h})")
+        raise InvalidArgument(f"image has no pixels ({h}x{w})")
+    if img.mode == "F":
+        raise InvalidArgument(
+            f"this {fmt} holds floating-point pixels (mode F), which have no one pixel "
+            "scale (0..1 or 0..255): convert it to 8-bit before sending")
     if fmt in ("JPEG", "MPO") and (scans := data.count(_SOS)) > MAX_JPEG_SCANS:
         raise InvalidArgument(
             f"this JPEG holds {scans} scans, over the limit of {MAX_JPEG_SCANS}: a decoder "
@@ -120,7 +142,7 @@ def _open(data: bytes | None, max_pixels: int) -> Image.Image:
             "re-encode it (encoders write at most a few dozen scans)")
     if w * h > max_pixels:
         raise InvalidArgument(
-            f"image is {w}x{h} = {_mpx(w * h)}, over this server's limit of "
+            f"image is {h}x{w} = {_mpx(w * h)}, over this server's limit of "
             f"{_mpx(max_pixels)} (--max-image-pixels): downscale it before sending"
         )
     return img
@@ -140,7 +162,7 @@ def _check_raw(image: ImageInput, max_pixels: int) -> None:
         )
     if h * w > max_pixels:
         raise InvalidArgument(
-            f"raw image is {w}x{h} = {_mpx(w * h)}, over this server's limit of "
+            f"raw image is {h}x{w} = {_mpx(w * h)}, over this server's limit of "
             f"{_mpx(max_pixels)} (--max-image-pixels): downscale it before sending"
         )
     if len(raw) != h * w * 3:
@@ -156,10 +178,6 @@ def _to_rgb_array(img: Image.Image) -> np.ndarray:
         arr = np.asarray(img)
         # 16-bit (or 32-bit int) grayscale: keep the top 8 bits of 16.
         arr = (np.clip(arr.astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
-        return np.repeat(arr[:, :, None], 3, axis=2)
-    if mode == "F":
-        arr = np.asarray(img, dtype=np.float32)
-        arr = np.clip(np.nan_to_num(arr), 0, 255).astype(np.uint8)
         return np.repeat(arr[:, :, None], 3, axis=2)
     if mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
