@@ -305,11 +305,41 @@ def test_bfloat16_widening_takes_bit_patterns_only():
      "target of image 0 must be a class index or None, got 'cat'"),
     (lambda c: c.attribute(SMALL, target=float("nan")), ValueError,
      "target of image 0 must be a class index or None, got nan"),
+    # extract's layers are a list; attribute explains one layer (protobuf's own
+    # "bad argument type" said neither)
+    (lambda c: c.attribute(SMALL, ["layer4"]), TypeError,
+     "layer ['layer4']: an attribution explains one layer, named by a string"),
+    (lambda c: c.attribute_many([SMALL], layer=5).__next__(), TypeError,
+     "layer 5: an attribution explains one layer"),
+    # on/off options are booleans ("yes" was sent as true, or a protobuf TypeError)
+    (lambda c: c.extract(SMALL, {"fc": {"l2_normalize": "yes"}}), ValueError,
+     "l2_normalize is True or False, got 'yes'"),
+    (lambda c: c.extract(SMALL, ["fc"], native="no"), ValueError,
+     "native is True or False, got 'no'"),
+    # a URL is no path ("No such file or directory")
+    (lambda c: c.extract("https://example.com/cat.jpg", ["fc"]), hookserve.InvalidArgument,
+     "a URL is not read here (images are local paths, bytes, PIL images or arrays): "
+     "fetch it and pass its bytes, or give it to `hookserve batch`"),
 ])
 def test_a_call_spelled_as_elsewhere_says_the_sdks_spelling(server, call, error, words):
     with server.client() as c, pytest.raises(error) as err:
         call(c)
     assert words in str(err.value)
+
+
+def test_a_file_url_is_its_path_and_an_array_subclass_its_array(server, tmp_path):
+    """(a non-contiguous np.matrix aborted the process inside numpy)"""
+    from urllib.request import pathname2url
+
+    f = tmp_path / "a cat.png"
+    f.write_bytes(encode(SMALL))
+    grey = SMALL[:, :, 0]
+    with server.client() as c:
+        np.testing.assert_array_equal(c.extract("file://" + pathname2url(str(f)), ["fc"])["fc"],
+                                      c.extract(str(f), ["fc"])["fc"])
+        np.testing.assert_array_equal(
+            c.extract(np.asmatrix(grey.copy())[:, ::-1][:, ::-1], ["fc"])["fc"],
+            c.extract(grey, ["fc"])["fc"])
 
 
 def test_a_torch_tensor_image_says_how_to_pass_it(server):
@@ -328,10 +358,24 @@ def test_options_none_means_the_defaults(server):
     ({"token": 123}, "token is the server's bearer token as a str, not int"),
     ({"retries": -1}, "retries is how many times a failed call is tried again, 0 or more"),
     ({"retry_backoff": float("nan")}, "retry_backoff is the first wait in seconds"),
+    ({"target": 44010}, 'address 44010: give "host:port" (a string), or a list of them'),
+    ({"root_certificates": "/nonexistent/ca.pem"},
+     "root_certificates '/nonexistent/ca.pem': cannot read it (No such file or directory)"),
 ])
 def test_client_settings_out_of_their_kind_are_refused(kw, words):
+    kw = {"target": "localhost:1", **kw}
     with pytest.raises((TypeError, ValueError), match=re.escape(words)):
-        hookserve.Client("localhost:1", **kw)
+        hookserve.Client(kw.pop("target"), **kw)
+
+
+def test_options_as_a_dict_and_a_token_given_with_its_scheme_work(token_server):
+    from conftest import TOKEN
+
+    with hookserve.Client(token_server.address, token=f"Bearer {TOKEN}",
+                          options={"grpc.max_send_message_length": 1 << 20}) as c:
+        assert c.list_models()
+        with pytest.raises(hookserve.ResourceExhausted):
+            c.extract(bytes(2 << 20), ["fc"])
 
 
 def test_layers_and_targets_in_the_kinds_users_hold(server):

@@ -187,6 +187,9 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
                            crop: Size | None = None) -> pb.AttributionSpec:
     """The wire AttributionSpec (raises ValueError on options that cannot be encoded;
     the server checks the rest: the layer, method/layer pairing, the cost cap)."""
+    if layer is not None and not isinstance(layer, str):
+        raise TypeError(f"layer {_shown(layer)}: an attribution explains one layer, named "
+                        "by a string (layer=\"layer4\"), or None for the method's default")
     if isinstance(layer, str) and layer in METHODS and method == "grad_cam":
         raise ValueError(f"{layer!r} is an attribution method, given where the layer goes: "
                          f"attribute(image, method={layer!r})")
@@ -308,3 +311,9 @@ class AttributionRun(Extraction):
         return Attribution(p.index, p.id, map=amap, targets=targets,
                            top5=[_score(c) for c in s.top5], geometry=self.geometry(),
                            cached=bool(self._got.cached))
+
+
+def _shown(value) -> str:
+    """A value as a message shows it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

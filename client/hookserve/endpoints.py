@@ -18,7 +18,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -47,6 +47,10 @@ SYNC_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 def parse_targets(target: str | Sequence[str]) -> tuple[list[str], bool]:
     """-> (addresses, secure). Accepts host:port, grpc://, grpcs://, dns:///, or a list."""
+    if not isinstance(target, str) and not (
+            isinstance(target, Sequence) and all(isinstance(t, str) for t in target)):
+        raise TypeError(f"address {target!r:.60}: give \"host:port\" (a string), or a "
+                        "list of them")
     items = [target] if isinstance(target, str) else list(target)
     if len(items) == 1 and "," in items[0] and not items[0].startswith(("dns:", "ipv4:", "ipv6:")):
         items = [t.strip() for t in items[0].split(",") if t.strip()]
@@ -100,11 +104,24 @@ def check_address(t: str, tls: bool = False) -> None:
                          f"1 to 65535: {use}")
 
 
-def _read(v: bytes | str | os.PathLike | None) -> bytes | None:
+def _read(v: bytes | str | os.PathLike | None, what: str) -> bytes | None:
+    """A PEM given as bytes, or read from the file a path names."""
     if v is None or isinstance(v, bytes):
         return v
-    with open(v, "rb") as fh:
-        return fh.read()
+    try:
+        with open(v, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ValueError(f"{what} {os.fspath(v)!r}: cannot read it ({exc.strerror}): give "
+                         "the PEM file's path, or its bytes") from None
+
+
+def bare_token(token: str) -> str:
+    """The token alone: a token given as its whole header value ("Bearer s3cret") is
+    sent once as that, not as "Bearer Bearer s3cret"."""
+    token = token.strip()
+    scheme, _, rest = token.partition(" ")
+    return rest.strip() if scheme.lower() == "bearer" and rest.strip() else token
 
 
 class Endpoints:
@@ -126,10 +143,12 @@ class Endpoints:
         self.retries = self.policy.retries
         self.aio = aio
         #: Sent with every call: ``authorization: Bearer ...`` when a token is set.
-        self.metadata = (("authorization", f"Bearer {token.strip()}"),) if token else ()
+        self.metadata = (("authorization", f"Bearer {bare_token(token)}"),) if token else ()
         # the caller's options replace the defaults of the same name (gRPC would take
-        # the first of two)
+        # the first of two); a dict is its items
         options = options or ()
+        if isinstance(options, Mapping):
+            options = list(options.items())
         given = {name for name, _ in options}
         self._options = [o for o in [*CHANNEL_OPTIONS, *([] if aio else SYNC_OPTIONS)]
                          if o[0] not in given] + list(options)
@@ -142,8 +161,9 @@ class Endpoints:
         if self.secure or root_certificates or certificate_chain:
             self.secure = True
             self._creds = grpc.ssl_channel_credentials(
-                root_certificates=_read(root_certificates),
-                private_key=_read(private_key), certificate_chain=_read(certificate_chain))
+                root_certificates=_read(root_certificates, "root_certificates"),
+                private_key=_read(private_key, "private_key"),
+                certificate_chain=_read(certificate_chain, "certificate_chain"))
         self._channels: list[Any] | None = None
         self._stubs: list[pb_grpc.FeatureExtractorStub] = []
         self._rr = itertools.count(random.randrange(len(self.addresses)))

@@ -6,6 +6,8 @@ import errno
 import os
 import select
 import stat
+import urllib.parse
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,9 @@ def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
     unread; a pipe (``<(curl ...)``, a named pipe) or a character device
     (``/dev/stdin``) is read up to it, so one that never ends (``/dev/zero``) ends
     there. A named pipe waits up to :data:`PIPE_WAIT_S` for its writer. A folder, a
-    socket or a block device is refused."""
+    socket or a block device is refused. A ``file://`` URL is its local path; another
+    URL is refused with what to do instead."""
+    path = _local_path(path)
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
@@ -62,6 +66,26 @@ def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
     if len(data) > most:   # (a regular file that grew since, or an endless stream)
         raise TooLarge(f"more than {most}", most)
     return data
+
+
+#: URL schemes `hookserve batch` reads, which a path here is not.
+_REMOTE = ("http://", "https://", "s3://", "gs://", "gcs://")
+
+
+def _local_path(path: str | os.PathLike) -> str | os.PathLike:
+    """`path`, or the local path a ``file://`` URL names; a remote URL that is no
+    existing file is refused."""
+    if not isinstance(path, str) or os.path.exists(path):
+        return path
+    if path.startswith("file://"):
+        url = urllib.parse.urlsplit(path)
+        if url.netloc in ("", "localhost"):
+            return urllib.request.url2pathname(url.path)
+    if path.lower().startswith(_REMOTE):
+        raise ValueError("a URL is not read here (images are local paths, bytes, PIL "
+                         "images or arrays): fetch it and pass its bytes, or give it to "
+                         "`hookserve batch`, which reads http(s), s3 and gs URLs")
+    return path
 
 
 #: How long a named pipe's reader waits for a writer to open it and write or close.
@@ -140,6 +164,7 @@ def _upright(img: Any) -> Any:
 
 
 def _array_image(a: np.ndarray, image_id: str) -> pb.Image:
+    a = np.asarray(a)   # a subclass (np.matrix, a masked array) as the plain array
     if a.dtype != np.uint8:
         raise TypeError(f"array images must be uint8, got {a.dtype}: scale to 0..255 first")
     if a.ndim == 3 and a.shape[2] == 1:   # one channel, as HxW

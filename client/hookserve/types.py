@@ -38,6 +38,7 @@ class Layer:
                              f"got {self.reduction!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_flag("l2_normalize", self.l2_normalize)
         return pb.LayerRequest(name=self.name, reduction=REDUCTIONS[self.reduction],
                                dtype=DTYPES[self.dtype], l2_normalize=self.l2_normalize)
 
@@ -277,6 +278,12 @@ def parse_side(value: Any, what: str = "resize") -> int | None:
     return side or None
 
 
+def check_flag(what: str, value) -> None:
+    """An on/off option is True or False (a string such as "no" would be true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{what} is True or False, got {value!r:.60}")
+
+
 def build_preprocessing(*, native: bool = False, resize: int | str | None = None,
                         crop: Size | None = None) -> pb.Preprocessing:
     """Default transforms, `native` resolution, or a custom resize and/or centre crop.
@@ -284,6 +291,7 @@ def build_preprocessing(*, native: bool = False, resize: int | str | None = None
     `crop` takes what the CLI's ``--crop`` takes ("288x288", "224", 224, (h, w));
     `resize` the shorter side (an int or a numeric string)."""
     side = parse_side(resize)
+    check_flag("native", native)
     if native:
         if side or crop:
             raise ValueError("native takes no resize or crop")
