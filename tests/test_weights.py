@@ -84,6 +84,22 @@ def test_auto_falls_back_to_random_loudly_when_offline(monkeypatch, tmp_path, ca
         build_model("resnet18", "imagenet")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not a torch file"])
+def test_auto_stops_at_a_damaged_cached_file_instead_of_serving_random(monkeypatch, tmp_path,
+                                                                       damage):
+    """Random weights are for a file that is not there and cannot be fetched; one that
+    is there and damaged stops start-up, as for imagenet (a fleet served random)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    path = imagenet_cache_path("resnet18")
+    path.parent.mkdir(parents=True)
+    _save_seeded(path, seed=11)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"<html>oops")
+    for weights in ("auto", "imagenet"):
+        with pytest.raises(ConfigError, match=str(path)):
+            build_model("resnet18", weights)
+
+
 def test_random_is_seeded():
     _, a = build_model("resnet18", "random", seed=1)
     _, b = build_model("resnet18", "random", seed=1)

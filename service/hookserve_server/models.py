@@ -117,6 +117,11 @@ def imagenet_cache_path(arch: str) -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
 
 
+class NotObtainable(ConfigError):
+    """The ImageNet weights are not cached and could not be downloaded: `--weights auto`
+    serves random weights then (a cached file that is damaged stops start-up)."""
+
+
 def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]:
     weights = default_weights_enum(arch)
     path = imagenet_cache_path(arch)
@@ -129,7 +134,7 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
             torch.hub.download_url_to_file(weights.url, str(path), progress=False)
         except Exception as exc:
             why = " ".join(str(exc).split())[:300]
-            raise ConfigError(
+            raise NotObtainable(
                 f"ImageNet weights for {arch} are not cached at {path} and could not be "
                 f"downloaded ({type(exc).__name__}: {why}). On an offline machine, copy "
                 f"{os.path.basename(weights.url)} there (or set TORCH_HOME), or pass "
@@ -149,12 +154,12 @@ def _imagenet_state_dict(arch: str) -> tuple[dict[str, torch.Tensor], str, bool]
         raise ConfigError(f"cannot read cached ImageNet weights {path}: {exc.strerror}") \
             from None
     verified = bool(prefix) and h.hexdigest().startswith(prefix)
+    sd = read_state_dict(path, arch)
     if not verified:
         log.warning(
             "%s: %s does not match torchvision's published hash prefix %r; "
             "it is loaded, and reported as unverified", arch, path, prefix,
         )
-    sd = read_state_dict(path, arch)
     return sd, f"{type(weights).__name__}.{weights.name}", verified
 
 
@@ -183,7 +188,7 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
     if weights in ("imagenet", "auto"):
         try:
             sd, name, verified = _imagenet_state_dict(arch)
-        except ConfigError as exc:
+        except NotObtainable as exc:
             if weights == "imagenet":
                 raise
             log.warning("%s: NO PRETRAINED WEIGHTS: serving RANDOM weights (seed=%d), "
