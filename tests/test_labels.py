@@ -133,6 +133,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
     '{"0": "c0", "1": "c1", "2": "c2"}',
     '{"2": ["n3", "c2"], "0": ["n1", "c0"], "1": ["n2", "c1"]}',   # imagenet_class_index
     "index,name\n0,c0\n1,c1\n2,c2\n",                               # a CSV with its header
+    "1,c1\n0,c0\n2,c2\n",                                           # in another order
 ])
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16"])
 def test_labels_files_in_the_usual_forms(tmp_path, text, encoding):
@@ -179,6 +180,28 @@ def test_bad_json_labels_say_what_is_read(tmp_path, text, match):
     from hookserve_server.labels import read_labels
 
     path = tmp_path / "labels.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        read_labels(path)
+
+
+@pytest.mark.parametrize("name, text, match", [
+    # index,name lines that are not 0..N-1 once each were read as plain names
+    # ("1,dog" the name of class 0)
+    ("labels.csv", "1,c0\n2,c1\n3,c2\n", "line 3 gives index 3 outside 0 to 2: number "
+                                          "the 3 classes 0 to 2, each once"),
+    ("labels.csv", "id,name\n0,c0\n0,c1\n1,c2\n", "line 3 gives index 0 again"),
+    ("labels.csv", "0,c0\n1,c1\n3,c3\n", "line 3 gives index 3 outside 0 to 2"),
+    # JSON with a slip was read as lines ('[', '"cat",', ...)
+    ("labels.txt", '[\n  "c0",\n  "c1",\n]', r"is not valid JSON \(.*line 4 column 1\): "
+                                               "fix it, or give one class name a line"),
+    ("labels.json", '{"0": "c0" "1": "c1"}', "is not valid JSON"),
+])
+def test_labels_that_are_almost_a_table_or_json_say_where(tmp_path, name, text, match):
+    from hookserve_server.errors import ConfigError
+    from hookserve_server.labels import read_labels
+
+    path = tmp_path / name
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         read_labels(path)

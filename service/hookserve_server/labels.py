@@ -60,10 +60,17 @@ def read_labels(path: Path, what: str = "--labels file") -> tuple[str, ...]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{what} {path} is not UTF-8 (byte {exc.start} is "
                           f"{raw[exc.start:exc.start + 1]!r}): save it as UTF-8") from None
-    if text.lstrip()[:1] in ("[", "{"):
+    first = text.lstrip()
+    if first[:1] in ("[", "{"):
         try:
             data = json.loads(text)
-        except ValueError:   # a plain file whose first name starts so ("[background]")
+        except json.JSONDecodeError as exc:
+            # a plain file whose first name starts so ("[background]"), unless it is
+            # JSON by its name or its first line ("[" alone)
+            if path.suffix.lower() == ".json" or first.split("\n", 1)[0].strip() in "[{":
+                raise ConfigError(f"{what} {path} is not valid JSON ({exc.msg}, line "
+                                  f"{exc.lineno} column {exc.colno}): fix it, or give one "
+                                  "class name a line") from None
             data = None
         if isinstance(data, (list, dict)):
             return _json_labels(path, data, what)
@@ -82,7 +89,29 @@ def read_labels(path: Path, what: str = "--labels file") -> tuple[str, ...]:
                                      for i, m in enumerate(found)) and \
                 (not head or "," in lines[0] or "\t" in lines[0]):
             return tuple(_unquoted(m.group(2).strip()) for m in found if m)
+    for head in (0, 1):   # index,name lines in another order: by index, or refused
+        found = [_INDEXED.match(line) for line in lines[head:]]
+        if len(found) >= 2 and all(m and m.group(2) for m in found) and \
+                (not head or "," in lines[0] or "\t" in lines[0]):
+            return _by_index(path, what, [(int(m.group(1)), m.group(2)) for m in found
+                                          if m], head)
     return tuple(lines)
+
+
+def _by_index(path: Path, what: str, rows: list[tuple[int, str]], head: int
+              ) -> tuple[str, ...]:
+    """``index,name`` rows in any order, each index 0..N-1 once; else a ConfigError
+    naming the first line that breaks it (a CSV numbered from 1, with a gap, a repeat)."""
+    n, seen = len(rows), set()
+    for k, (index, _name) in enumerate(rows):
+        if not 0 <= index < n or index in seen:
+            why = "again" if index in seen else f"outside 0 to {n - 1}"
+            raise ConfigError(f"{what} {path}: its lines are index,name, and line "
+                              f"{head + k + 1} gives index {index} {why}: number the "
+                              f"{n} classes 0 to {n - 1}, each once")
+        seen.add(index)
+    names = dict(rows)
+    return tuple(_unquoted(names[i].strip()) for i in range(n))
 
 
 def _unquoted(name: str) -> str:
