@@ -17,7 +17,7 @@ from hookserve_server.errors import ConfigError
 from hookserve_server.models import imagenet_cache_path
 
 from conftest import RunningServer, encode, rand_image
-from helpers import R18
+from helpers import R18, hs
 
 CLASSES = 10
 NAMES = [f"class {chr(ord('a') + i)}" for i in range(CLASSES)]
@@ -114,6 +114,12 @@ def test_imagenet_weights_carry_torchvisions_category_names(make_server, monkeyp
     assert m.labels == tuple(want) and m.num_classes == 1000
     assert a.label == want[a.target]
     assert np.all([label == want[i] for i, label, _ in a.top5])
+    # a file that is not torchvision's published one is marked so where users look
+    assert not m.weights_verified
+    for command in (["models"], ["describe", "resnet18"]):
+        r = hs(*command, "--server", s.address)
+        assert r.returncode == 0 and "[UNVERIFIED: not torchvision's published file]" \
+            in r.stdout, r.stdout
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):

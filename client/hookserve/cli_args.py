@@ -116,9 +116,12 @@ def make_client(args: argparse.Namespace, addresses: list[str] | None = None, **
 
 
 def weights_text(m: Any) -> str:
-    """A model's weights as the CLI prints them, random ones marked as such."""
-    return (f"{m.weights_source} {m.weights_name} {m.weights_digest[:19]}"
-            + ("" if m.pretrained else "  [RANDOM: not for real use]"))
+    """A model's weights as the CLI prints them, random ones marked as such, and
+    ImageNet ones whose file is not torchvision's published one."""
+    mark = ("  [RANDOM: not for real use]" if not m.pretrained
+            else "  [UNVERIFIED: not torchvision's published file]"
+            if m.weights_source == "imagenet" and not m.weights_verified else "")
+    return f"{m.weights_source} {m.weights_name} {m.weights_digest[:19]}{mark}"
 
 
 def dtype_text(m: Any) -> str:
