@@ -157,11 +157,15 @@ def test_a_head_that_does_not_fit_the_backbone_is_left_out(make_server, tmp_path
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch, head_in, where", [
-    ("resnet18", 512, ""),                 # model.fc = Identity(); model.head = Linear
-    ("efficientnet_b0", 1280, "backbone."),   # a head named as torchvision's container
+@pytest.mark.parametrize("arch, head_in, where, beside", [
+    ("resnet18", 512, "", {}),                 # model.fc = Identity(); model.head = Linear
+    ("efficientnet_b0", 1280, "backbone.", {}),   # a head named as torchvision's container
+    # a weighted loss's class weights beside it (Lightning: self.criterion = ...)
+    ("resnet18", 512, "backbone.", {"criterion.weight": torch.ones(5)}),
+    ("resnet18", 512, "", {"criterion.pos_weight": torch.ones(5), "n_averaged": torch.tensor(3)}),
 ])
-def test_a_lone_head_is_read_as_the_architectures_head(tmp_path, arch, head_in, where):
+def test_a_lone_head_is_read_as_the_architectures_head(tmp_path, arch, head_in, where,
+                                                       beside):
     from hookserve_server.architectures import head_slot, state_dict_keys
 
     torch.manual_seed(0)
@@ -169,13 +173,31 @@ def test_a_lone_head_is_read_as_the_architectures_head(tmp_path, arch, head_in, 
     slot = head_slot(arch)
     sd = {f"{where}{k}": v for k, v in own.items()
           if k not in (slot.weight, slot.bias)}
-    name = "head" if not where else "classifier"
+    name = "head" if where != "backbone." or arch == "resnet18" else "classifier"
     sd[f"{name}.weight"], sd[f"{name}.bias"] = torch.randn(5, head_in), torch.randn(5)
-    torch.save(sd, tmp_path / "w.pt")
+    torch.save({**sd, **beside}, tmp_path / "w.pt")
     got = read_state_dict(tmp_path / "w.pt", arch, state_dict_keys(arch), slot)
     assert got.keys() == own.keys()
     assert torch.equal(got[slot.weight], sd[f"{name}.weight"])
     assert torch.equal(got[slot.bias], sd[f"{name}.bias"])
+
+
+@pytest.mark.parametrize("head", [
+    # a Linear with another part of its own head (a norm before it): not one Linear
+    {"head.0.weight": torch.ones(512), "head.0.bias": torch.zeros(512),
+     "head.1.weight": torch.randn(5, 512), "head.1.bias": torch.randn(5)},
+    # two Linears that read the features (two heads): which one is not clear
+    {"head.weight": torch.randn(5, 512), "aux.weight": torch.randn(3, 512)},
+])
+def test_a_head_of_more_than_one_linear_is_not_taken_for_one(tmp_path, head):
+    from hookserve_server.architectures import head_slot, state_dict_keys
+
+    own = torchvision.models.resnet18().state_dict()
+    slot = head_slot("resnet18")
+    sd = {f"backbone.{k}": v for k, v in own.items() if k not in (slot.weight, slot.bias)}
+    torch.save({**sd, **head}, tmp_path / "w.pt")
+    got = read_state_dict(tmp_path / "w.pt", "resnet18", state_dict_keys("resnet18"), slot)
+    assert slot.weight not in got
 
 
 def _flip(path, at: int) -> None:

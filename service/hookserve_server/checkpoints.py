@@ -60,19 +60,24 @@ class HeadSlot(NamedTuple):
 
 def lone_head(own: Collection[str], outside: dict[str, torch.Tensor],
               slot: HeadSlot | None) -> dict[str, str]:
-    """{key: the head key it is} when the tensors `outside` the model's `own` keys are
+    """{key: the head key it is} when the tensors `outside` the model's `own` keys hold
     one Linear (a weight, and maybe a bias) that reads the head's features, and `own`
-    holds no head; else {}."""
+    holds no head; else {}. Beside it may lie vectors of other modules (a loss's class
+    weights), not any other layer, nor anything of a module that holds it (a
+    Sequential head of more layers is not one Linear)."""
     if slot is None or slot.weight in own:
         return {}
-    modules = {k.rsplit(".", 1)[0] for k in outside}
+    modules = {k.rsplit(".", 1)[0] for k, v in outside.items()
+               if k.endswith(".weight") and v.ndim == 2 and v.shape[1] == slot.in_features}
     if len(modules) != 1:
         return {}
     (module,) = modules
-    weight, bias = outside.get(f"{module}.weight"), outside.get(f"{module}.bias")
-    if (weight is None or weight.ndim != 2 or weight.shape[1] != slot.in_features
-            or set(outside) - {f"{module}.weight", f"{module}.bias"}
-            or (bias is not None and tuple(bias.shape) != (weight.shape[0],))):
+    weight, bias = outside[f"{module}.weight"], outside.get(f"{module}.bias")
+    parent = module.rpartition(".")[0]
+    others = set(outside) - {f"{module}.weight", f"{module}.bias"}
+    if ((bias is not None and tuple(bias.shape) != (weight.shape[0],))
+            or any(outside[k].ndim > 1 or (parent and k.startswith(parent + "."))
+                   for k in others)):
         return {}
     return {f"{module}.weight": slot.weight,
             **({f"{module}.bias": slot.bias} if bias is not None else {})}
@@ -145,7 +150,10 @@ def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path,
         if any(k.split(".", 1)[0] in roots for k in outside):
             return sd   # the model's own layers reshaped (a head of another shape)
         head = lone_head(sd, outside, slot)
-        return _with_head(sd, head, path) if head else sd
+        if not head:
+            return sd
+        return _with_head({k: v for k, v in sd.items() if k in keys or k in head}, head,
+                          path, [k for k in outside if k not in head])
     rivals = sorted(p for p in counts if counts[p] == counts[prefix])
     if len(rivals) > 1:   # two copies of the model (a teacher and a student, an EMA)
         raise ConfigError(
@@ -156,19 +164,21 @@ def under_prefix(sd: dict[str, torch.Tensor], keys: frozenset[str], path: Path,
     left = [k for k in sd if not k.startswith(prefix)]
     head = lone_head(kept, {k: sd[k] for k in left}, slot)
     if head:
-        return _with_head({**kept, **{k: sd[k] for k in head}}, head, path)
+        return _with_head({**kept, **{k: sd[k] for k in head}}, head, path,
+                          [k for k in left if k not in head])
     if left:
         log.info("weights file %s: the model's weights are under %r; %d other keys left "
                  "out (e.g. %s)", path, prefix, len(left), ", ".join(left[:3]))
     return kept
 
 
-def _with_head(sd: dict[str, torch.Tensor], head: dict[str, str], path: Path
-               ) -> dict[str, torch.Tensor]:
-    """`sd` with the `lone_head` keys renamed to the head's."""
+def _with_head(sd: dict[str, torch.Tensor], head: dict[str, str], path: Path,
+               left: list[str]) -> dict[str, torch.Tensor]:
+    """`sd` with the `lone_head` keys renamed to the head's (the `left` ones out)."""
     log.warning("weights file %s: %s, beside a backbone without its head, served as its "
                 "classifier head (%s); if it is no classifier (a projection), save the "
-                "backbone alone", path, ", ".join(head), ", ".join(head.values()))
+                "backbone alone%s", path, ", ".join(head), ", ".join(head.values()),
+                f"; {len(left)} other keys left out ({', '.join(left[:3])})" if left else "")
     return {head.get(k, k): v for k, v in sd.items()}
 
 
