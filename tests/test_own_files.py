@@ -310,3 +310,29 @@ def test_a_buffer_named_mask_is_not_taken_for_pruning(tmp_path):
     with pytest.raises(ConfigError) as err:
         build_model("resnet18", str(tmp_path / "w.pt"))
     assert "pruned" not in str(err.value) and "layer1.0.attn_mask" in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "qat"])
+def test_quantized_weights_are_named_as_such(tmp_path, kind):
+    """(the message was a spliced "drop it, not a state_dict" naming one packed key)"""
+    import warnings
+
+    from hookserve_server.architectures import head_slot, state_dict_keys
+    from hookserve_server.errors import ConfigError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "dynamic":
+            m = torch.ao.quantization.quantize_dynamic(
+                torchvision.models.resnet18(num_classes=10), {torch.nn.Linear})
+        else:
+            m = torchvision.models.quantization.resnet18(quantize=False).train()
+            m.fuse_model(is_qat=True)
+            m.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+            torch.ao.quantization.prepare_qat(m, inplace=True)
+    torch.save(m.state_dict(), tmp_path / "q.pt")
+    with pytest.raises(ConfigError, match=r"holds quantized \(or quantization-aware\) "
+                                          r"weights \('.*'\), which hookserve does not "
+                                          r"serve: save the float model's state_dict"):
+        read_state_dict(tmp_path / "q.pt", "resnet18", state_dict_keys("resnet18"),
+                        head_slot("resnet18"))

@@ -119,8 +119,8 @@ SAVE_HINT = r"torch\.save\(model\.state_dict\(\), PATH\)"
     ("module", "holds a pickled torchvision.models.resnet.ResNet \\(a whole model, saved "
                f"with torch.save\\(model\\)\\), not a state_dict.*{SAVE_HINT}"),
     ("checkpoint", "holds a dict whose 'net' holds the weights .with other entries.: save "
-                   f"that dict alone, not a state_dict.*{SAVE_HINT}"),
-    ("empty", f"holds an empty dict, not a state_dict.*{SAVE_HINT}"),
+                   f"that dict alone; it is not a state_dict.*{SAVE_HINT}"),
+    ("empty", f"holds an empty dict; it is not a state_dict.*{SAVE_HINT}"),
     ("torchscript", "is a TorchScript archive \\(torch.jit.save: a program\\), not a "
                     f"state_dict: .*{SAVE_HINT}"),
 ])

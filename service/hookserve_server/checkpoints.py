@@ -101,10 +101,28 @@ def normalise(obj: object, path: Path, keys: Collection[str] = (),
     if _is_tensor_dict(obj) and any("._orig_mod." in k for k in obj):
         # a torch.compile'd submodule (model.features = torch.compile(model.features))
         obj = type(obj)((k.replace("._orig_mod.", "."), v) for k, v in obj.items())
+    quantized = _quantized(obj)
+    if quantized:
+        raise ConfigError(f"weights file {path} holds quantized (or quantization-aware) "
+                          f"weights ({quantized!r}), which hookserve does not serve: save the "
+                          "float model's state_dict, before prepare/convert")
     if not _is_tensor_dict(obj):
-        raise ConfigError(f"weights file {path} holds {_held(obj)}, not a state_dict (a dict "
-                          f"of tensors); {SAVE_HINT}")
+        raise ConfigError(f"weights file {path} holds {_held(obj)}; it is not a state_dict "
+                          f"(a dict of tensors): {SAVE_HINT}")
     return under_prefix(obj, frozenset(keys), path, slot) if keys else obj
+
+
+#: Key parts that only quantized or quantization-aware (QAT) models' state_dicts hold.
+_QUANTIZED = ("_packed_params", "activation_post_process", "weight_fake_quant",
+              ".zero_point")
+
+
+def _quantized(obj) -> str:
+    """A key that shows `obj` to be a quantized model's state_dict, or ""."""
+    if not isinstance(obj, dict):
+        return ""
+    return next((k for k in obj if isinstance(k, str) and any(q in k for q in _QUANTIZED)),
+                "")
 
 
 def _held(obj) -> str:
