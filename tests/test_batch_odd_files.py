@@ -271,3 +271,35 @@ def test_a_link_to_nothing_is_the_inputs_own_failure(server, tmp_path, sharded):
         assert "a symbolic link to loop.png, which loops back" in messages
     assert codes == {str(root / "dangling.png"): "INVALID_ARGUMENT",
                      str(root / "loop.png"): "INVALID_ARGUMENT"}
+
+
+def test_a_folder_that_cannot_be_listed_is_a_failed_row_not_a_silence(server, tmp_path):
+    """(a local run skipped the files below an unreadable folder and exited 0)"""
+    import shutil
+
+    root = tmp_path / "in"
+    (root / "locked").mkdir(parents=True)
+    (root / "ok.png").write_bytes(_png(1))
+    (root / "locked" / "hidden.png").write_bytes(_png(2))
+    out = tmp_path / "out.parquet"
+    cmd = [sys.executable, "-m", "hookserve.cli", "batch", str(root), "--out", str(out),
+           "--server", server.address, *OPTS]
+    if os.geteuid() == 0:   # root reads any folder: run without that power
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("needs setpriv (util-linux) to run as root without CAP_DAC_*")
+        drop = "-dac_override,-dac_read_search"
+        cmd = [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}", *cmd]
+    (root / "locked").chmod(0)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        (root / "locked").chmod(0o755)
+    assert p.returncode == 1, p.stderr   # some failed: not "every image was written"
+    with open(str(out) + ".errors.csv", newline="", encoding="utf-8") as fh:
+        rows = {r["path"]: (r["code"], r["message"]) for r in csv.DictReader(fh)}
+    assert rows == {str(root / "locked"): (
+        "PERMISSION_DENIED", "cannot list this folder (Permission denied): the files "
+                             "below it are left out; make it readable and run again")}
+    assert pq.read_table(out, columns=["path"]).column("path").to_pylist() == \
+        [str(root / "ok.png")]

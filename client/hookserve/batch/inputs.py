@@ -52,8 +52,17 @@ def is_image(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in IMAGE_EXTS
 
 
-def _walk(root: str) -> Iterator[str]:
-    for dirpath, dirnames, filenames in os.walk(root):
+def _walk(root: str, unlisted: list[tuple[str, str, str]] | None = None
+          ) -> Iterator[str]:
+    """The image files below `root`; a folder that cannot be listed goes to `unlisted`
+    as (its path, a gRPC code name, why)."""
+    def unlistable(exc: OSError) -> None:
+        if unlisted is not None:
+            code = ("PERMISSION_DENIED" if exc.errno in (errno.EACCES, errno.EPERM)
+                    else "UNAVAILABLE")
+            unlisted.append((os.path.normpath(exc.filename or root), code,
+                             exc.strerror or str(exc)))
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlistable):
         dirnames.sort()
         for name in filenames:
             if os.path.splitext(name)[1].lower() in IMAGE_EXTS:
@@ -116,10 +125,13 @@ def _table(path: str, column: str) -> list[str]:
 
 
 def discover(specs: Iterable[str], *, path_column: str = "path",
-             root: str | None = None) -> list[str]:
+             root: str | None = None,
+             unlisted: list[tuple[str, str, str]] | None = None) -> list[str]:
     """All image paths named by `specs`, normalised, de-duplicated and sorted.
 
     - a directory: every file below it with an image extension (:data:`IMAGE_EXTS`);
+      one that cannot be listed (a folder without read permission) goes to `unlisted`
+      as (its path, a gRPC code name, why);
     - a ``.txt``/``.lst`` file: one path per line (blank lines and ``#`` comments skipped);
     - a ``.csv``/``.tsv``/``.parquet`` file: the `path_column` column;
     - a pattern with ``*``, ``?`` or ``[``: every file it matches (``**`` recurses);
@@ -132,7 +144,7 @@ def discover(specs: Iterable[str], *, path_column: str = "path",
     for spec in specs:
         listed: Iterable[str]
         if os.path.isdir(spec):
-            found.update(os.path.normpath(p) for p in _walk(spec))
+            found.update(os.path.normpath(p) for p in _walk(spec, unlisted))
             continue
         if os.path.isfile(spec):
             listed = listed_paths(spec, path_column, root=root)

@@ -106,7 +106,9 @@ def run_local(args: argparse.Namespace) -> int:
     :class:`~.errors.Abort` when the run cannot start."""
     try:
         shard = parse_shard(args.shard) if args.shard is not None else None
-        listed = discover(args.inputs, path_column=args.path_column, root=args.root)
+        unlisted: list[tuple[str, str, str]] = []
+        listed = discover(args.inputs, path_column=args.path_column, root=args.root,
+                          unlisted=unlisted)
         paths = select_shard(listed, shard)
     except (InputError, ValueError, OSError) as exc:
         raise Abort(str(exc)) from None
@@ -114,6 +116,9 @@ def run_local(args: argparse.Namespace) -> int:
 
     if args.dry_run:
         return _dry_run(args, paths)
+    if not paths and unlisted:
+        raise Abort(f"cannot list {unlisted[0][0]}: {unlisted[0][2]}: no input images "
+                    "found")
     if not paths:
         raise Abort("no input images found" + (
             " (the tar files below it are read by a sharded run: add --sharded)"
@@ -135,6 +140,9 @@ def run_local(args: argparse.Namespace) -> int:
         errs = ErrorsFile(errors_path(args))
         for f in failures:
             errs.add(*f)
+        for folder, code, why in unlisted:   # the files below it are unknown: a row
+            errs.add(encode_name(folder), code, f"cannot list this folder ({why}): the "
+                     "files below it are left out; make it readable and run again")
         # Half of --max-in-flight goes to the streams' windows; the other half is slack
         # for answers waiting in the reorder buffer behind a slower image. Without it,
         # streams would often find no free slot, end, and reopen (a pipeline bubble,
