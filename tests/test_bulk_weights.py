@@ -52,9 +52,11 @@ def test_a_stream_from_other_weights_is_refused_before_its_first_answer(make_ser
         assert len(got) == (3 if ok else 0)   # not one answer of the other weights
 
 
-def test_a_sharded_run_whose_server_returns_with_other_weights_stops(make_server, tmp_path):
+def _held_run(make_server, tmp_path, meanwhile, retries: int = 3):
+    """A sharded run over four tars whose third is a pipe: once two shards are done,
+    `meanwhile(server)` runs, then the third tar arrives. -> (exit code, stderr, the
+    done markers before, after, the ids written)."""
     a = make_server(*small_server("--max-batch-size", "1", "--seed", "0"))
-    port = a.port
     src = tmp_path / "in"
     src.mkdir()
     for t, data in enumerate(TARS):
@@ -65,29 +67,48 @@ def test_a_sharded_run_whose_server_returns_with_other_weights_stops(make_server
     out = tmp_path / "out.parquet"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hookserve.cli", "batch", str(src / "{0..3}.tar"), "--server",
-         a.address, *OPTS, "--out", str(out), "--streams", "1", "--retries", "3"],
+         a.address, *OPTS, "--out", str(out), "--streams", "1", "--retries", str(retries)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     try:
         wait_until(lambda: proc.poll() is not None or (
             out.is_dir() and len(markers(str(out))) >= 2), 120, "2 markers")
         done = dict(markers(str(out)))
-        a.stop(0)   # the replica is replaced, with other weights, at the same address
-        make_server(*small_server("--max-batch-size", "1", "--seed", "1"), "--port", str(port))
+        meanwhile(a)
         with open(src / "2.tar", "wb") as fh:   # the held shard arrives
             fh.write(TARS[2])
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 2, err
-    assert "not the weights this output was written with" in err
-    assert markers(str(out)) == done   # no shard of the other weights is marked done
     rows = pq.read_table(str(out)).column("id").to_pylist() if any(
         n.endswith(".parquet") for n in os.listdir(out)) else []
+    return proc.returncode, err, done, dict(markers(str(out))), rows
+
+
+def test_a_sharded_run_whose_server_returns_with_other_weights_stops(make_server, tmp_path):
+    def replaced(a):   # the replica is replaced, with other weights, at the same address
+        port = a.port
+        a.stop(0)
+        make_server(*small_server("--max-batch-size", "1", "--seed", "1"), "--port", str(port))
+
+    code, err, done, after, rows = _held_run(make_server, tmp_path, replaced)
+    assert code == 2, err
+    assert "not the weights this output was written with" in err
+    assert after == done   # no shard of the other weights is marked done
     assert all(not r.startswith(("2.tar", "3.tar")) and "/2.tar" not in r
                and "/3.tar" not in r for r in rows)
     assert np.unique(rows).size == len(rows)
+
+
+def test_a_run_whose_server_is_gone_stops_and_keeps_what_it_wrote(make_server, tmp_path):
+    """After its retries the run stops (exit 2) with its finished shards kept."""
+    code, err, done, after, rows = _held_run(make_server, tmp_path, lambda a: a.stop(0),
+                                             retries=2)
+    assert code == 2, err
+    assert "UNAVAILABLE" in err and "(stopped; 2 shards written before)" in err
+    assert after == done and len(done) == 2
+    assert np.unique(rows).size == len(rows) == 6
 
 
 def test_the_header_names_each_model_short_and_a_run_checks_its_own(make_server):
@@ -117,3 +138,33 @@ def test_the_header_names_each_model_short_and_a_run_checks_its_own(make_server)
             list(extract_many(c, images, ["fc"], ids=iter(["0", "1"]), window=2,
                               watchdog=Watchdog(None, ("gone", digests["resnet18"])),
                               model="resnet18"))
+
+
+def test_a_local_run_whose_server_is_gone_stops_after_its_rounds(make_server, tmp_path):
+    """A local run's streams each try --retries times, four rounds in a row, then the
+    run stops (exit 2) and keeps its rows (the rounds grew with --retries as well: 5
+    took 20 s after the server died, 8 took 140 s, 20 did not stop in 13 minutes)."""
+    from helpers import METRICS, computed
+
+    a = make_server(*small_server("--max-batch-size", "1", *METRICS))
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(300):
+        (src / f"{i:03d}.png").write_bytes(encode(rand_image(32, 32, seed=i)))
+    out = tmp_path / "out.parquet"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hookserve.cli", "batch", str(src), "--server", a.address,
+         *OPTS, "--out", str(out), "--streams", "2", "--retries", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        wait_until(lambda: proc.poll() is not None or computed(a) >= 20, 120, "20 images")
+        a.stop(0)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err
+    assert "no server answered after repeated retries: UNAVAILABLE" in err
+    rows = pq.read_table(str(out)).column("path").to_pylist()
+    assert 0 < len(rows) < 300 and np.unique(rows).size == len(rows)

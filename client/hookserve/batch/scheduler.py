@@ -180,6 +180,12 @@ class Feed:
             yield self._ids.popleft()
 
 
+#: Consecutive failed streams per stream, each after the SDK's `--retries` tries
+#: without an answer, before a run whose servers stay down stops (exit 2): the time
+#: to give up grows with --retries, not with its square.
+GIVE_UP_ROUNDS = 4
+
+
 class Streams:
     """The worker threads of one run and what they report to the writer.
 
@@ -249,9 +255,9 @@ class Streams:
                     if exc.code not in RETRY_STREAM:
                         self._fail(exc)
                         return
-                    with sched.cond:
-                        sched.stream_failures += 1
-                        give_up = sched.stream_failures > self.retries * 4 + 8
+                    with sched.cond:   # each failure followed the SDK's own retries:
+                        sched.stream_failures += 1   # a count that grew with them too
+                        give_up = sched.stream_failures > GIVE_UP_ROUNDS * len(self.threads)
                     if give_up:
                         self._fail(Abort(f"no server answered after repeated retries: {exc}"))
                         return
