@@ -56,6 +56,8 @@ def _one_line_exit_2(capsys, argv) -> str:
     (["--timeout", "nan"], "argument --timeout: expected seconds"),
     (["--checkpoint-secs", "-1"], "--checkpoint-secs must be a positive number"),
     (["--streams", "many"], "argument --streams: invalid int value"),
+    (["--max-in-flight-bytes", "8Q"], "argument --max-in-flight-bytes: '8Q' is not a size: "
+                                      "use whole bytes, or a number with K, M or G"),
     (["--dtype", "int8"], "argument --dtype: invalid choice"),
     (["--storage-option", "novalue"], "--storage-option must look like KEY=VALUE"),
     (["--storage-option", "=x"], "--storage-option must look like KEY=VALUE"),
@@ -67,6 +69,17 @@ def test_a_bad_flag_is_one_line_exit_2(server, tar, tmp_path, capsys, flags, wor
     err = _one_line_exit_2(capsys, ["batch", *inputs, "--out", str(tmp_path / "o.parquet"),
                                     "--server", server.address, *OPTS, *flags])
     assert words in err, err
+
+
+def test_sizes_take_the_servers_units(tmp_path, capsys):
+    """(--max-in-flight-bytes 8M was "invalid int value" where the server takes it)"""
+    from hookserve.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["batch", str(tmp_path), "--out", str(tmp_path / "o.parquet"), "--layers", "fc",
+         "--max-in-flight-bytes", "8M", "--max-file-bytes", "1.5MiB", "--shard-bytes", "2G"])
+    assert (args.max_in_flight_bytes, args.max_file_bytes, args.shard_bytes) == (
+        8 << 20, 3 << 19, 2 << 30)
 
 
 def test_a_missing_required_flag_is_one_line(capsys, tmp_path):

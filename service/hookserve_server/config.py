@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from hookserve.byte_sizes import parse_bytes
+
 from .spec import DType
 
 MiB = 1 << 20
@@ -70,25 +72,14 @@ def default_buffer_bytes() -> int:
     return max(256 * MiB, memory_bytes() // 4)
 
 
-#: Size suffixes --cache-bytes takes (powers of 1024; a plain number is bytes).
-SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": MiB,
-              "mb": MiB, "mib": MiB, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-
 def byte_size(value: str) -> int:
-    """"512MiB", "2G", "1048576": whole bytes (the units are powers of 1024)."""
-    text = str(value).strip().lower()
-    number = text.rstrip("kmgib")
-    unit = text[len(number):]
+    """"512MiB", "2G", "1048576": whole bytes (`hookserve.byte_sizes`, as the batch command
+    reads its sizes), naming the HOOKSERVE_* variable a bad default came from."""
     try:
-        if (size := float(number) * SIZE_UNITS[unit]) != int(size):   # (half a byte)
-            raise ValueError(number)   # (an unknown unit: KeyError)
-        return int(size)
-    except (ValueError, OverflowError, KeyError):
+        return parse_bytes(value)
+    except ValueError as exc:
         where = f"{value.env}=" if isinstance(value, _FromEnv) else ""
-        raise argparse.ArgumentTypeError(
-            f"{where}{str(value)!r} is not a size: use whole bytes, or a number with K, M "
-            "or G (KiB, MiB, GiB: 512MiB, 2G)") from None
+        raise argparse.ArgumentTypeError(f"{where}{exc}") from None
 
 
 def env_name(flag: str) -> str:   # (a flag's HOOKSERVE_* variable)

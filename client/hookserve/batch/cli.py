@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..byte_sizes import bytes_arg
 from ..cli_args import add_connection_args, size_arg
 from ..tables import DTYPES, REDUCTIONS
 from .command import run
@@ -103,7 +104,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         "(of each input shard's key in a sharded run): N jobs with "
                         "I=0..N-1 cover the input exactly once. Give each its own --out, "
                         "except in a sharded run, where all share one")
-    p.add_argument("--max-file-bytes", type=int, default=DEFAULTS["max_file_bytes"],
+    p.add_argument("--max-file-bytes", type=bytes_arg, default=DEFAULTS["max_file_bytes"],
                    metavar="BYTES",
                    help="an input file (tar member, Parquet cell, URL) larger than this "
                         "fails alone with an error row, refused from its size before it "
@@ -114,7 +115,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=DEFAULTS["max_in_flight"],
                    help="images read and not yet written, over all streams; bounds memory "
                         "and what a kill can lose (default: %(default)s)")
-    p.add_argument("--max-in-flight-bytes", type=int, default=DEFAULTS["max_in_flight_bytes"],
+    p.add_argument("--max-in-flight-bytes", type=bytes_arg, default=DEFAULTS["max_in_flight_bytes"],
                    metavar="BYTES",
                    help="input bytes read and not yet answered, over all streams; bounds "
                         "the client's memory (docs/limits.md); one larger input goes "
@@ -163,7 +164,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    metavar="B", help="a folder, prefix or glob of images is cut into B "
                    "shards by a hash of each name; keep B the same for one --out "
                    "(default: %(default)s)")
-    g.add_argument("--shard-bytes", type=int, default=DEFAULTS["shard_bytes"],
+    g.add_argument("--shard-bytes", type=bytes_arg, default=DEFAULTS["shard_bytes"],
                    metavar="BYTES", help="a .parquet input larger than this is one shard "
                    "per row group (default: %(default)s)")
     # --server may be repeated here.
