@@ -125,3 +125,23 @@ def test_a_local_run_of_a_folder_of_tars_says_to_shard(det_server, tmp_path, cap
     assert run_batch(det_server, [str(tmp_path / "tars")], tmp_path / "o.parquet") == 2
     assert "no input images found (the tar files below it are read by a sharded run: add " \
            "--sharded)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ext", [".csv", ".tsv", ".parquet"])
+def test_an_empty_cell_of_a_path_table_names_nothing_in_every_format(tmp_path, ext):
+    """(a Parquet table's empty cell was the id "." with a directory error row; a CSV's
+    was skipped)"""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hookserve.batch.inputs import listed_paths
+
+    table = tmp_path / f"t{ext}"
+    cells = ["a.png", "", None, "b.png"]
+    if ext == ".parquet":
+        pq.write_table(pa.table({"path": cells}), table)
+    else:
+        sep = "\t" if ext == ".tsv" else ","
+        table.write_text("path" + sep + "n\n" + "".join(
+            f"{c or ''}{sep}{i}\n" for i, c in enumerate(cells)))
+    assert listed_paths(str(table), root="/data") == ["/data/a.png", "/data/b.png"]

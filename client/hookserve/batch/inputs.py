@@ -114,7 +114,7 @@ def _table(path: str, column: str) -> list[str]:
             raise InputError(f"{path}: no column {column!r} (columns: "
                              f"{', '.join(schema.names)}); choose one with --path-column")
         return [str(v) for v in pq.read_table(path, columns=[column]).column(column).to_pylist()
-                if v is not None]
+                if v is not None and str(v) != ""]   # (an empty cell names nothing, as in a CSV)
     with open(path, newline="", encoding="utf-8", errors="surrogateescape") as fh:
         reader = csv.DictReader(fh, delimiter="\t" if ext == ".tsv" else ",")
         if reader.fieldnames is None or column not in reader.fieldnames:
