@@ -187,6 +187,21 @@ def test_a_mistyped_flag_names_its_subcommand(command):
     assert "usage: hookserve [-h]" not in r.stderr
 
 
+@pytest.mark.parametrize("argv, words", [
+    # another command's spelling (every other command takes --model)
+    (["describe", "--model", "resnet18"], "hookserve describe takes the model as its "
+                                          "argument: hookserve describe MODEL"),
+    (["serve", "resnet18"], "unrecognized arguments: resnet18 (a model to serve is named "
+                            "with --model: --model resnet18)"),
+    # HOOKSERVE_MODEL takes a comma-separated list; the flag is repeated
+    (["serve", "--model", "resnet18,vgg11", "--port", "0", "--log-format", "text"],
+     "unknown --model resnet18,vgg11: give each model its own --model"),
+])
+def test_a_command_spelled_as_another_says_its_own_spelling(argv, words):
+    r = hs(*argv)
+    assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
 def test_a_folder_given_as_an_image_points_to_batch(server, tmp_path):
     (tmp_path / "imgs").mkdir()
     r = hs("extract", str(tmp_path / "imgs"), "--layers", "fc", "--server", server.address)

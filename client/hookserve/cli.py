@@ -163,8 +163,10 @@ class CommandParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         namespace, extra = super().parse_known_args(args, namespace)
         if extra:
-            self.error(f"unrecognized arguments: {' '.join(extra)} (`{self.prog} --help` "
-                       "lists the flags)")
+            hint = (f"{self.prog} takes the model as its argument: {self.prog} MODEL; "
+                    if "--model" in extra and self.prog.endswith("describe") else "")
+            self.error(f"unrecognized arguments: {' '.join(extra)} ({hint}`{self.prog} "
+                       "--help` lists the flags)")
         return namespace, extra
 
 

@@ -45,7 +45,10 @@ class ServeParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         namespace, extra = super().parse_known_args(args, namespace)
         if extra:
-            self.error(f"unrecognized arguments: {' '.join(extra)}")
+            word = next((e for e in extra if not e.startswith("-")), None)
+            self.error(f"unrecognized arguments: {' '.join(extra)}" + (
+                f" (a model to serve is named with --model: --model {word})"
+                if word is not None else ""))
         return namespace, extra
 
 

@@ -218,8 +218,9 @@ def models_from_flags(args: argparse.Namespace) -> list[ModelEntry]:
     unknown = [n for n in names if not known_architecture(n)]
     if unknown:
         close = difflib.get_close_matches(unknown[0], ARCHITECTURES, n=4, cutoff=0.5)
-        raise ConfigError(f"unknown --model {', '.join(unknown)}: "
-                          + (f"closest: {', '.join(close)}; " if close else "")
+        raise ConfigError(f"unknown --model {', '.join(unknown)}: " + (
+            "give each model its own --model; " if "," in unknown[0] else
+            f"closest: {', '.join(close)}; " if close else "")
                           + "`hookserve models --available` lists the torchvision "
                           "classifiers it takes")
     return from_flags(names, weights_per_model(names, args.weights or []),
