@@ -62,6 +62,10 @@ def with_good(**fields) -> dict:
 
 
 BAD_BODIES = [  # (body, words the 400's message must hold)
+    # base64 not wrapped as {"b64": ...} (it was decoded as "not a recognised image")
+    ({"inputs": [{**GOOD, "data": [GOOD["data"][0]["b64"]]}]},
+     'IMAGE: an element is a JSON string of base64 (it starts \'iVBORw0KGgoA\'): wrap it '
+     'as {"b64": "..."}'),
     ({"inputs": {"IMAGE": GOOD}}, '"inputs" must be a JSON list, not an object'),
     ({"inputs": ["IMAGE"]}, "inputs[0] must be a JSON object, not a string"),
     ({"inputs": [None]}, "inputs[0] must be a JSON object, not null"),

@@ -94,8 +94,17 @@ def _flat(data) -> list:
     return out
 
 
+#: How base64 of an image file starts (JPEG, PNG, GIF, WebP, TIFF): a JSON string that
+#: does is an image the client forgot to wrap as {"b64": ...}.
+_BASE64_IMAGES = ("/9j/", "iVBORw0KGgo", "R0lGOD", "UklGR", "SUkqA", "TU0AK")
+
+
 def _element(e, name: str) -> bytes:
     if isinstance(e, str):
+        if e.startswith(_BASE64_IMAGES):
+            raise InvalidArgument(
+                f"{name}: an element is a JSON string of base64 (it starts {e[:12]!r}): wrap "
+                'it as {"b64": "..."}; a plain string is sent as the bytes themselves')
         return e.encode()
     if isinstance(e, dict) and isinstance(e.get("b64"), str):
         try:
