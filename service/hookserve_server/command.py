@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 
-from .config import ARCHITECTURES, add_serve_arguments  # noqa: F401  (models --available)
+from .config import ARCHITECTURES, add_serve_arguments, env_name  # noqa: F401  (models --available)
 from .errors import ConfigError, HookserveError
 from .logs import setup_logging
 from .openmp import set_wait_default
@@ -74,7 +76,7 @@ def startup_error(exc: BaseException) -> str:
         return (f"hookserve serve needs the server extra ({exc.name or exc} is missing): "
                 f"{SERVER_EXTRA}")
     if isinstance(exc, ConfigError):
-        text = str(exc)
+        text = str(exc) + _from_env(str(exc))
     elif isinstance(exc, HookserveError):  # e.g. limits too small for the warm-up image
         text = f"warm-up failed: {exc.message}"
     elif isinstance(exc, OSError):
@@ -83,6 +85,17 @@ def startup_error(exc: BaseException) -> str:
         detail = " ".join(str(exc).split())[:300]
         text = f"{type(exc).__name__}: {detail} (--log-level DEBUG logs the traceback)"
     return "cannot start: " + " ".join(text.split())
+
+
+def _from_env(text: str) -> str:
+    """Where the first flag a start-up error names got its value, when that was its
+    HOOKSERVE_* variable and not the command line: the user never typed the flag."""
+    flag = next(iter(re.findall(r"--[a-z][a-z0-9-]+", text)), None)
+    if flag is None or any(a == flag or a.startswith(flag + "=") for a in sys.argv[1:]):
+        return ""
+    env = env_name(flag)
+    value = os.environ.get(env)
+    return f" (from {env}={value!r:.60})" if value is not None else ""
 
 
 def _ours(module: str | None) -> bool:
