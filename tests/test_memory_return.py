@@ -98,3 +98,20 @@ def test_memory_return_soak(make_server, no_gc):
     after = run_storms(s, 15)
     mib = [round((r - base) / MiB) for r in after]
     assert max(after) - base < 128 * MiB, f"RSS above baseline after each storm: {mib} MiB"
+
+
+def test_memory_of_large_decodes_is_returned_when_small_answers_follow(make_server):
+    """A large photo's decode and resize hold far more than its answer (fc: 4 KB): that
+    memory counts toward returning freed memory once work stops, as answers do (it was
+    never returned while every answer was small)."""
+    import numpy as np
+
+    from conftest import encode
+
+    s = make_server(*FAST)
+    photo = encode(np.zeros((2000, 2000, 3), np.uint8), "PNG")   # ~100 MB to decode
+    with s.client() as c:
+        for _ in range(2):
+            assert c.extract(photo, ["fc"], reduction="avg")["fc"].shape == (1000,)
+    wait_idle(s)
+    assert s.engine.memory.trims >= 1

@@ -71,7 +71,7 @@ class Engine:
         held = cache.capacity if cache is not None else 0
         self.budget = Budget(self.config.max_buffer_bytes - held, "--max-buffer-bytes"
                              + (" less the answer cache" if held else ""))
-        #: returns freed answer memory to the OS once work stops
+        #: returns freed answer and decode memory to the OS once work stops
         self.memory = MemoryReturn(busy=lambda: self._admission.admitted > 0)
         #: set by start_drain(): open streams stop taking new images
         self.draining = False
@@ -82,7 +82,8 @@ class Engine:
             key = str(m.device)
             if key not in self._workers:
                 self._workers[key] = DeviceWorker(m.device, self.config, self.telemetry)
-        self._preparer = Preparer(self.config, self.limits, self.telemetry)
+        self._preparer = Preparer(self.config, self.limits, self.telemetry,
+                                  self.memory.freed)
         self._started = False
         if self.config.gpu_decode and not any(m.device.type == "cuda" for m in models):
             log.warning("--gpu-decode has no effect: no model runs on a CUDA device")

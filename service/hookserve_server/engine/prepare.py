@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -56,8 +57,12 @@ class ImagePlan:
 
 
 class Preparer:
-    def __init__(self, config: EngineConfig, limits: Limits, telemetry: Telemetry) -> None:
+    def __init__(self, config: EngineConfig, limits: Limits, telemetry: Telemetry,
+                 freed: Callable[[int], None] = lambda nbytes: None) -> None:
         self.config = config
+        #: told the bytes an image's decode and resize held once it is done (the
+        #: allocator's MemoryReturn: a large photo's decode is given back when idle)
+        self._freed = freed
         self.limits = limits
         self.telemetry = telemetry
         # One OpenMP team in the process, the model thread's (openmp.py says why).
@@ -136,8 +141,11 @@ class Preparer:
         held = self._memory.reserve(plan.geometry.peak_bytes, lambda: call.cancelled)
         if held is None:
             raise Cancelled("the call was cancelled")
-        with held:
-            return self._decode_and_resize(spec, image, plan, call, fut)
+        try:
+            with held:
+                return self._decode_and_resize(spec, image, plan, call, fut)
+        finally:
+            self._freed(plan.geometry.peak_bytes)
 
     def _decode_and_resize(self, spec: ResolvedSpec, image: ImageInput, plan: ImagePlan,
                            call: CallState, fut: Future) -> WorkItem:
