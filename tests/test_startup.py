@@ -124,8 +124,9 @@ CASES: dict[str, Case] = {
         [*CPU_R18, "--cache-url", "redis://user:s3cret@127.0.0.1:99999/0"],
         ("--cache-url", "127.0.0.1:99999/0", "Port out of range")),
     # after loading: the warm-up image cannot pass the limits
-    "warmup_refused": Case([*CPU_R18, "--max-input-side", "16"], ("warm-up failed",),
-                           after_load=True),
+    "warmup_refused": Case([*CPU_R18, "--max-input-side", "16"], (
+        "warm-up failed", "(--max-input-side): the model's own default input needs more, "
+        "so raise that limit"), after_load=True),
 }
 
 

@@ -78,7 +78,10 @@ def startup_error(exc: BaseException) -> str:
     if isinstance(exc, ConfigError):
         text = str(exc) + _from_env(str(exc))
     elif isinstance(exc, HookserveError):  # e.g. limits too small for the warm-up image
-        text = f"warm-up failed: {exc.message}"
+        # (the advice after the last colon is a client's: send a smaller image)
+        head, _, _advice = exc.message.rpartition(": ")
+        text = (f"warm-up failed: {head}: the model's own default input needs more, so "
+                "raise that limit" if "--" in head else f"warm-up failed: {exc.message}")
     elif isinstance(exc, OSError):
         text = str(exc) if not exc.strerror else f"{exc.strerror} ({exc.filename or exc})"
     else:  # unforeseen: its first 300 characters, and where the rest is
