@@ -272,3 +272,19 @@ def test_a_size_of_part_of_a_byte_is_refused():
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--chunk-bytes", value])
     assert build_parser().parse_args(["serve", "--chunk-bytes", "0.5K"]).chunk_bytes == 512
+
+
+def test_a_start_up_error_names_the_variable_a_flag_came_from_not_its_value(monkeypatch):
+    """(the value was shown: a --cache-url's password with it)"""
+    from hookserve_server.command import startup_error
+    from hookserve_server.errors import ConfigError
+
+    err = ConfigError("--cache-url 'redis://h:99999/0': Port out of range")
+    monkeypatch.setenv("HOOKSERVE_CACHE_URL", "redis://user:s3cret@h:99999/0")
+    monkeypatch.setattr(sys, "argv", ["hookserve", "serve", "--model", "resnet18"])
+    line = startup_error(err)
+    assert line.endswith("(set by HOOKSERVE_CACHE_URL)") and "s3cret" not in line
+    # given on the command line (or as argparse's prefix of it): no variable to name
+    for typed in (["--cache-url", "x"], ["--cache-url=x"], ["--cache-u", "x"]):
+        monkeypatch.setattr(sys, "argv", ["hookserve", "serve", *typed])
+        assert "set by" not in startup_error(err)

@@ -61,7 +61,7 @@ CASES: dict[str, Case] = {
     # preflight: before torch is imported
     # a value out of range from a variable names the variable, not only the flag
     "env_out_of_range": Case([*CPU_R18, "--port", "0"], (
-        "--max-batch-size must be positive (from HOOKSERVE_MAX_BATCH_SIZE='0')",),
+        "--max-batch-size must be positive (set by HOOKSERVE_MAX_BATCH_SIZE)",),
         env={"HOOKSERVE_MAX_BATCH_SIZE": "0"}),
     "port_in_use": Case([*CPU_R18, "--port", "{port}"], ("port {port} is in use", "--port")),
     "metrics_port_in_use": Case([*CPU_R18, "--port", "0", "--metrics-port", "{port}"],

@@ -94,11 +94,11 @@ def _from_env(text: str) -> str:
     """Where the first flag a start-up error names got its value, when that was its
     HOOKSERVE_* variable and not the command line: the user never typed the flag."""
     flag = next(iter(re.findall(r"--[a-z][a-z0-9-]+", text)), None)
-    if flag is None or any(a == flag or a.startswith(flag + "=") for a in sys.argv[1:]):
+    given = (a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--") and len(a) > 2)
+    if flag is None or any(flag.startswith(a) for a in given):   # (argparse's prefixes)
         return ""
-    env = env_name(flag)
-    value = os.environ.get(env)
-    return f" (from {env}={value!r:.60})" if value is not None else ""
+    env = env_name(flag)   # (its value is not shown: a --cache-url holds a password)
+    return f" (set by {env})" if env in os.environ else ""
 
 
 def _ours(module: str | None) -> bool:
