@@ -186,6 +186,10 @@ def test_a_lone_head_is_read_as_the_architectures_head(tmp_path, arch, head_in, 
     # a Linear with another part of its own head (a norm before it): not one Linear
     {"head.0.weight": torch.ones(512), "head.0.bias": torch.zeros(512),
      "head.1.weight": torch.randn(5, 512), "head.1.bias": torch.randn(5)},
+    # the same as two modules beside each other (re-ID's BNNeck: a norm, a classifier)
+    {"bottleneck.weight": torch.ones(512), "bottleneck.bias": torch.zeros(512),
+     "bottleneck.running_mean": torch.zeros(512), "bottleneck.running_var": torch.ones(512),
+     "classifier.weight": torch.randn(5, 512)},
     # two Linears that read the features (two heads): which one is not clear
     {"head.weight": torch.randn(5, 512), "aux.weight": torch.randn(3, 512)},
 ])

@@ -62,8 +62,9 @@ def lone_head(own: Collection[str], outside: dict[str, torch.Tensor],
               slot: HeadSlot | None) -> dict[str, str]:
     """{key: the head key it is} when the tensors `outside` the model's `own` keys hold
     one Linear (a weight, and maybe a bias) that reads the head's features, and `own`
-    holds no head; else {}. Beside it may lie vectors of other modules (a loss's class
-    weights), not any other layer, nor anything of a module that holds it (a
+    holds no head; else {}. Beside it may lie scalars and vectors of one value a class
+    of other modules (a loss's class weights), not any other layer: no vector over the
+    features (a norm before the Linear), nor anything of a module that holds it (a
     Sequential head of more layers is not one Linear)."""
     if slot is None or slot.weight in own:
         return {}
@@ -75,9 +76,10 @@ def lone_head(own: Collection[str], outside: dict[str, torch.Tensor],
     weight, bias = outside[f"{module}.weight"], outside.get(f"{module}.bias")
     parent = module.rpartition(".")[0]
     others = set(outside) - {f"{module}.weight", f"{module}.bias"}
-    if ((bias is not None and tuple(bias.shape) != (weight.shape[0],))
-            or any(outside[k].ndim > 1 or (parent and k.startswith(parent + "."))
-                   for k in others)):
+    per_class = (weight.shape[0],)
+    if ((bias is not None and tuple(bias.shape) != per_class)
+            or any(outside[k].ndim > 0 and tuple(outside[k].shape) != per_class
+                   or (parent and k.startswith(parent + ".")) for k in others)):
         return {}
     return {f"{module}.weight": slot.weight,
             **({f"{module}.bias": slot.bias} if bias is not None else {})}
