@@ -326,9 +326,12 @@ class Session:
 
 
 def _failed(ref: weakref.ref, index: int, fut: Future) -> None:
-    """A fail-fast run's image is done: the first to fail cancels its call."""
+    """A fail-fast run's image is done: the first to fail cancels its call (an image
+    Cancelled after the call was cancelled failed by that cancel, not first)."""
     session = ref()
     if session is None or fut.cancelled() or fut.exception() is None:
+        return
+    if isinstance(fut.exception(), Cancelled) and session.cancelled:
         return
     with session._cond:
         if session.failure is not None:

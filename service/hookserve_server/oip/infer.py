@@ -219,7 +219,10 @@ class Inference:
                     telemetry.image_done(model, "OK")
                     out.append(result)
                     result = None
-        failed = session.failure or (result is not None and (result.index, result.error))
+        # the error the loop met, unless it is the Cancelled of the first failure's cancel
+        own = result is not None and not isinstance(result.error, Cancelled)
+        failed = (result.index, result.error) if own else session.failure or (
+            result is not None and (result.index, result.error))
         if failed:
             index, error = failed
             stats["images"] += 1
