@@ -95,7 +95,7 @@ B64 = {"b64": base64.b64encode(IMG).decode()}
 @pytest.mark.parametrize("model, inputs, params, words", [
     # an input's parameter that nothing reads (an output's or the request's is refused)
     ("resnet18", [{**GOOD, "parameters": {"foo": "r"}}], None,
-     "input 'IMAGE': unknown parameter 'foo': an input takes none but binary_data_size"),
+     "input 'IMAGE': unknown parameter 'foo': an input takes only binary_data_size"),
     # a tensor of one element per image is [N] (or Triton's batched [N, 1])
     ("resnet18", [{**GOOD, "shape": []}], None,
      "IMAGE: shape []: use [N], one element per image (or [N, 1])"),

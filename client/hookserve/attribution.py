@@ -188,7 +188,7 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
     """The wire AttributionSpec (raises ValueError on options that cannot be encoded;
     the server checks the rest: the layer, method/layer pairing, the cost cap)."""
     if layer is not None and not isinstance(layer, str):
-        raise TypeError(f"layer {_shown(layer)}: an attribution explains one layer, named "
+        raise TypeError(f"layer {layer!r:.60}: an attribution explains one layer, named "
                         "by a string (layer=\"layer4\"), or None for the method's default")
     if isinstance(layer, str) and layer in METHODS and method == "grad_cam":
         raise ValueError(f"{layer!r} is an attribution method, given where the layer goes: "
@@ -312,8 +312,3 @@ class AttributionRun(Extraction):
                            top5=[_score(c) for c in s.top5], geometry=self.geometry(),
                            cached=bool(self._got.cached))
 
-
-def _shown(value) -> str:
-    """A value as a message shows it: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

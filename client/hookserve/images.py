@@ -59,7 +59,7 @@ def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
     # for ever if none does. Its writer is then waited for, a bounded time.
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with open(fd, "rb") as fh:
-        if stat.S_ISFIFO(st.st_mode):
+        if stat.S_ISFIFO(st.st_mode) and _named(path):
             _await_writer(fd)
         os.set_blocking(fd, True)
         data = fh.read(most + 1)
@@ -90,6 +90,13 @@ def _local_path(path: str | os.PathLike) -> str | os.PathLike:
 
 #: How long a named pipe's reader waits for a writer to open it and write or close.
 PIPE_WAIT_S = 30.0
+
+
+def _named(path: str | os.PathLike) -> bool:
+    """Whether a pipe is a named one on disk (``mkfifo``), not a pipe already open
+    with its writer (``<(curl ...)`` is ``/dev/fd/63``, whose target is
+    ``pipe:[...]``): only a named pipe's writer may not have come yet."""
+    return "pipe:[" not in os.path.realpath(path)
 
 
 def _await_writer(fd: int) -> None:

@@ -157,7 +157,7 @@ def run_local(args: argparse.Namespace) -> int:
         progress = Progress(len(work), args.progress if args.progress is not None
                             else sys.stderr.isatty())
         t0 = time.monotonic()
-        n_done, next_pos = _write_in_order(workers, work, sink, errs, progress, len(failures))
+        n_done, next_pos = _write_in_order(workers, work, sink, errs, progress, errs.count)
 
     elapsed = time.monotonic() - t0
     rate = n_done / elapsed if elapsed > 0 else 0.0

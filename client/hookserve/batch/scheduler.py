@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import errors
-from ..retry import RETRY_STREAM, RetryPolicy
+from ..retry import RETRY_STREAM, RETRYABLE, RetryPolicy
 from .errors import Abort
 from .inputs import MAX_FILE_BYTES, encode_name, read_bytes
 from .limits import IN_FLIGHT_BYTES, Cap, LastRequest
@@ -180,9 +180,9 @@ class Feed:
             yield self._ids.popleft()
 
 
-#: Consecutive failed streams per stream, each after the SDK's `--retries` tries
-#: without an answer, before a run whose servers stay down stops (exit 2): the time
-#: to give up grows with --retries, not with its square.
+#: Consecutive streams per stream ended UNAVAILABLE, each after the SDK's `--retries`
+#: tries without an answer, before a run whose servers stay down stops (exit 2): the
+#: time to give up grows with --retries, not with its square.
 GIVE_UP_ROUNDS = 4
 
 
@@ -255,9 +255,15 @@ class Streams:
                     if exc.code not in RETRY_STREAM:
                         self._fail(exc)
                         return
-                    with sched.cond:   # each failure followed the SDK's own retries:
-                        sched.stream_failures += 1   # a count that grew with them too
-                        give_up = sched.stream_failures > GIVE_UP_ROUNDS * len(self.threads)
+                    with sched.cond:
+                        sched.stream_failures += 1
+                        # UNAVAILABLE came after the SDK's own --retries tries (a bound
+                        # that grew with them too grew with their square); other codes
+                        # (a busy server's refusal, a timeout) come at once
+                        give_up = sched.stream_failures > (
+                            GIVE_UP_ROUNDS * len(self.threads)
+                            if exc.code in RETRYABLE
+                            else self.retries * 4 + 8)
                     if give_up:
                         self._fail(Abort(f"no server answered after repeated retries: {exc}"))
                         return

@@ -101,8 +101,9 @@ def check_input_params(params: dict, name: str) -> None:
     unknown = next((k for k in params if k not in INPUT_PARAMETERS), None)
     if unknown is not None:
         raise InvalidArgument(f"{what}: unknown parameter {unknown[:100]!r}: an input takes "
-                              "none but binary_data_size (the REST binary extension); "
-                              "hookserve's settings are request or output parameters")
+                              "only binary_data_size (the REST binary extension) and "
+                              "content_type; hookserve's settings are request or output "
+                              "parameters")
 
 
 #: The most inputs a request may name: its image input and TARGET, and a third, so that
