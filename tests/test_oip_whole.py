@@ -142,3 +142,47 @@ def test_an_image_that_fails_after_its_header_fails_the_request_by_its_own_error
         assert answer["error"].startswith("IMAGE[3] (image 4 of 64): PNG data is corrupt or "
                                           "truncated"), answer
     wait_until(lambda: s.engine.admission.admitted == 0, 30, "the queue to empty")
+
+
+def test_a_request_waiting_for_room_ends_with_its_deadline_or_cancel_and_is_not_starved():
+    """The wait for room ended only at --queue-wait-ms (a request with a 200 ms deadline
+    held its call 3 s); single images took every place freed, so a request that needs
+    all of them at once never got them."""
+    import threading
+    import time
+
+    from hookserve_server.engine.admission import Admission
+    from hookserve_server.engine.types import CallState
+    from hookserve_server.errors import Cancelled, DeadlineExceeded
+
+    adm = Admission(max_queue=4, wait_s=30.0)
+    held = [adm.admit(CallState()) for _ in range(3)]
+    late = CallState(deadline=time.monotonic() + 0.05)
+    with pytest.raises(DeadlineExceeded, match="deadline passed while its images waited"):
+        with adm.room_for(4, late):
+            pass
+    gone = CallState()
+    threading.Thread(target=gone.cancel).start()
+    with pytest.raises(Cancelled, match="cancelled while its images waited"):
+        with adm.room_for(4, gone):
+            pass
+    assert adm.admitted == 3 and adm._pending == 0
+
+    got = threading.Event()
+    waiting = CallState()
+
+    def block():
+        with adm.room_for(4, waiting):
+            got.set()
+
+    t = threading.Thread(target=block)
+    t.start()
+    wait_until(lambda: adm._pending == 4, 10, "the request to wait")
+    held.pop().release()        # a place frees: a single image may not take it
+    with pytest.raises(DeadlineExceeded):
+        adm.admit(CallState(deadline=time.monotonic() + 0.05))
+    assert not got.is_set() and adm.admitted == 2
+    for permit in held:
+        permit.release()
+    t.join(10)
+    assert got.is_set() and adm.admitted == 0

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
-from ..errors import ResourceExhausted, Unavailable
+from ..errors import Cancelled, DeadlineExceeded, ResourceExhausted, Unavailable
 from .types import CallState
 
 
@@ -28,6 +28,8 @@ class Admission:
         self.wait_s = wait_s
         self._cond = threading.Condition()
         self._admitted = 0
+        #: places requests waiting for room for their images together need
+        self._pending = 0
         self._closing = False
 
     @property
@@ -75,20 +77,59 @@ class Admission:
                 self._release(left)
 
     def _wait_room(self, n: int, call: CallState) -> None:
+        """Take `n` places, waiting up to `wait_s` and no longer than the call's
+        deadline or its cancel. While a request waits for room for its images together,
+        single images leave that much room to it (they would otherwise take every
+        place freed, one at a time, and the request could never start)."""
         with self._cond:
-            end = time.monotonic() + self.wait_s
-            while self._admitted + n > self.max_queue and not self._closing:
-                left = end - time.monotonic()
-                if left <= 0 or call.cancelled:
-                    need = f" (this request's {n} images need room together)" if n > 1 else ""
-                    raise ResourceExhausted(
-                        f"server overloaded: {self._admitted} images queued (--max-queue "
-                        f"{self.max_queue}){need}; retry after a short delay",
-                        retry_after_s=0.5)
-                self._cond.wait(left)
-            if self._closing:
-                raise Unavailable("server is shutting down: retry on another replica")
-            self._admitted += n
+            if self._fits(n) or self._closing:
+                return self._take(n)
+        wake = self._wake
+        call.on_cancel(wake)   # (a cancelled call stops waiting at once)
+        try:
+            with self._cond:
+                if n > 1:
+                    self._pending += n
+                try:
+                    end = time.monotonic() + self.wait_s
+                    if call.deadline is not None:
+                        end = min(end, call.deadline)
+                    while not (self._fits(n) or self._closing):
+                        left = end - time.monotonic()
+                        if call.cancelled:
+                            raise Cancelled("the call was cancelled while its images waited "
+                                            "for room in the queue")
+                        if left <= 0:
+                            raise self._refusal(n, call)
+                        self._cond.wait(left)
+                finally:
+                    if n > 1:
+                        self._pending -= n
+                return self._take(n)
+        finally:
+            call.forget(wake)
+
+    def _fits(self, n: int) -> bool:
+        """Room for `n` images now (a single image leaves room to waiting requests)."""
+        return self._admitted + n + (self._pending if n == 1 else 0) <= self.max_queue
+
+    def _take(self, n: int) -> None:
+        if self._closing:
+            raise Unavailable("server is shutting down: retry on another replica")
+        self._admitted += n
+
+    def _refusal(self, n: int, call: CallState):
+        if call.deadline is not None and time.monotonic() >= call.deadline:
+            return DeadlineExceeded("the call's deadline passed while its images waited "
+                                    f"for room in the queue (--max-queue {self.max_queue})")
+        need = f" (this request's {n} images need room together)" if n > 1 else ""
+        return ResourceExhausted(
+            f"server overloaded: {self._admitted} images queued (--max-queue "
+            f"{self.max_queue}){need}; retry after a short delay", retry_after_s=0.5)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def _release(self, n: int = 1) -> None:
         with self._cond:
