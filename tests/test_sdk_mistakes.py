@@ -361,6 +361,16 @@ def test_options_none_means_the_defaults(server):
     ({"target": 44010}, 'address 44010: give "host:port" (a string), or a list of them'),
     ({"root_certificates": "/nonexistent/ca.pem"},
      "root_certificates '/nonexistent/ca.pem': cannot read it (No such file or directory)"),
+    # (gRPC: INTERNAL "Invalid metadata", and its own log line)
+    ({"token": "s3c\nret"}, "token holds a control character (a tab, a line end)"),
+    # (a TypeError of grpc's internals, an int() ValueError, or a limit of 1 byte)
+    ({"options": {"grpc.max_receive_message_length": None}},
+     "option grpc.max_receive_message_length=None: a byte count (-1: no limit)"),
+    ({"options": {"grpc.max_send_message_length": True}},
+     "option grpc.max_send_message_length=True: a byte count"),
+    ({"options": "abc"}, "options 'abc': give gRPC channel options as (name, value) pairs "
+                         "or a dict"),
+    ({"options": [("grpc.enable_retries",)]}, "give gRPC channel options as (name, value)"),
 ])
 def test_client_settings_out_of_their_kind_are_refused(kw, words):
     kw = {"target": "localhost:1", **kw}
@@ -389,3 +399,30 @@ def test_layers_and_targets_in_the_kinds_users_hold(server):
             np.testing.assert_array_equal(got["fc"], want["fc"])
         (a,) = c.attribute_many([SMALL], targets=torch.tensor([3]))
         assert a.target == 3
+
+
+@pytest.mark.parametrize("given, path", [
+    ("FILE:///tmp/x.jpg", "/tmp/x.jpg"),            # schemes and hosts in any case
+    ("file://LOCALHOST/tmp/a%20b.jpg", "/tmp/a b.jpg"),
+    ("file:img.jpg", "img.jpg"),                    # relative
+    ("img.jpg", "img.jpg"),
+])
+def test_file_urls_are_their_paths(given, path):
+    from hookserve.images import _local_path
+
+    assert _local_path(given) == path
+
+
+@pytest.mark.parametrize("given, words", [
+    ("ftp://host/a.jpg", "a URL is not read here"),
+    ("data:image/png;base64,iVBOR", "a URL is not read here"),
+    ("file://nas/share/a.jpg", "a file URL of another host (nas) is not read here"),
+    ("file:///tmp/a#1.jpg", "write a '#' or a '?' of the file's name as %23 or %3F"),
+])
+def test_urls_that_are_not_read_say_what_to_do(given, words):
+    """(each read as a missing file: "No such file or directory", or a fragment cut
+    off, reading another file)"""
+    from hookserve.images import _local_path
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        _local_path(given)

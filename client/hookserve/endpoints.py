@@ -116,12 +116,39 @@ def _read(v: bytes | str | os.PathLike | None, what: str) -> bytes | None:
                          "the PEM file's path, or its bytes") from None
 
 
+#: Channel options whose value is a byte count (-1: no limit).
+SIZE_OPTIONS = ("grpc.max_send_message_length", "grpc.max_receive_message_length")
+
+
+def check_options(options: Any) -> list[tuple[str, Any]]:
+    """gRPC channel options as (name, value) pairs (a dict is its items), each name a
+    string and each value set (not None or a bool); the message limits byte counts."""
+    pairs = list(options.items()) if isinstance(options, Mapping) else options
+    if isinstance(pairs, (str, bytes)) or not all(
+            isinstance(o, (tuple, list)) and len(o) == 2 and isinstance(o[0], str)
+            for o in pairs):
+        raise TypeError(f"options {options!r:.80}: give gRPC channel options as (name, "
+                        "value) pairs or a dict, e.g. {'grpc.max_send_message_length': "
+                        "128 << 20}")
+    for name, value in pairs:
+        if value is None or isinstance(value, bool) or (
+                name in SIZE_OPTIONS and not isinstance(value, int)):
+            raise ValueError(f"option {name}={value!r:.40}: "
+                             + ("a byte count (-1: no limit)" if name in SIZE_OPTIONS
+                                else "a gRPC channel option is a number or a string"))
+    return [tuple(o) for o in pairs]
+
+
 def bare_token(token: str) -> str:
     """The token alone: a token given as its whole header value ("Bearer s3cret") is
     sent once as that, not as "Bearer Bearer s3cret"."""
-    token = token.strip()
-    scheme, _, rest = token.partition(" ")
-    return rest.strip() if scheme.lower() == "bearer" and rest.strip() else token
+    parts = token.split(None, 1)
+    token = parts[1].strip() if len(parts) == 2 and parts[0].lower() == "bearer" \
+        else token.strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in token):   # (gRPC: INTERNAL, logged)
+        raise ValueError("token holds a control character (a tab, a line end): give the "
+                         "token alone, as its file holds it")
+    return token
 
 
 class Endpoints:
@@ -146,9 +173,7 @@ class Endpoints:
         self.metadata = (("authorization", f"Bearer {bare_token(token)}"),) if token else ()
         # the caller's options replace the defaults of the same name (gRPC would take
         # the first of two); a dict is its items
-        options = options or ()
-        if isinstance(options, Mapping):
-            options = list(options.items())
+        options = check_options(options or ())
         given = {name for name, _ in options}
         self._options = [o for o in [*CHANNEL_OPTIONS, *([] if aio else SYNC_OPTIONS)]
                          if o[0] not in given] + list(options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import select
 import stat
 import urllib.parse
@@ -68,24 +69,27 @@ def read_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
     return data
 
 
-#: URL schemes `hookserve batch` reads, which a path here is not.
-_REMOTE = ("http://", "https://", "s3://", "gs://", "gcs://")
+#: A URL's scheme (two letters or more: ``C:\\x`` is a Windows path).
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 
 
 def _local_path(path: str | os.PathLike) -> str | os.PathLike:
-    """`path`, or the local path a ``file://`` URL names; a remote URL that is no
-    existing file is refused."""
-    if not isinstance(path, str) or os.path.exists(path):
+    """`path`, or the local path a ``file:`` URL names; any other URL that is no
+    existing file is refused, saying what to do."""
+    if not isinstance(path, str) or os.path.exists(path) or not (m := _SCHEME.match(path)):
         return path
-    if path.startswith("file://"):
-        url = urllib.parse.urlsplit(path)
-        if url.netloc in ("", "localhost"):
-            return urllib.request.url2pathname(url.path)
-    if path.lower().startswith(_REMOTE):
-        raise ValueError("a URL is not read here (images are local paths, bytes, PIL "
-                         "images or arrays): fetch it and pass its bytes, or give it to "
-                         "`hookserve batch`, which reads http(s), s3 and gs URLs")
-    return path
+    url = urllib.parse.urlsplit(path)
+    if m.group(1).lower() == "file":
+        if url.netloc.lower() not in ("", "localhost"):
+            raise ValueError(f"a file URL of another host ({url.netloc[:60]}) is not read "
+                             "here: give a local path")
+        if url.query or url.fragment:
+            raise ValueError("a file URL with a query or a fragment: write a '#' or a '?' "
+                             "of the file's name as %23 or %3F")
+        return urllib.request.url2pathname(url.path)
+    raise ValueError("a URL is not read here (images are local paths, bytes, PIL images "
+                     "or arrays): fetch it and pass its bytes, or give it to `hookserve "
+                     "batch`, which reads http(s), s3 and gs URLs")
 
 
 #: How long a named pipe's reader waits for a writer to open it and write or close.
