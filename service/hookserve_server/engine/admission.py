@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 from ..errors import Cancelled, DeadlineExceeded, ResourceExhausted, Unavailable
-from .types import CallState
+from .types import CallState, Room
 
 
 class Admission:
@@ -136,28 +136,6 @@ class Admission:
             self._admitted -= n
             self._cond.notify_all()
 
-
-class Room:
-    """Room taken for a request's images together: each image takes one place."""
-
-    def __init__(self, n: int) -> None:
-        self._left = n
-        self._lock = threading.Lock()
-
-    def take(self) -> bool:
-        with self._lock:
-            if self._left <= 0:
-                return False
-            self._left -= 1
-            return True
-
-    def close(self) -> int:
-        """The places not taken (none can be taken from here on)."""
-        with self._lock:
-            left, self._left = self._left, 0
-            return left
-
-
 class Permit:
     """Room for one image in the queue; released exactly once."""
 
@@ -180,3 +158,4 @@ class Permit:
 
     def __exit__(self, *exc) -> None:
         self.release()
+

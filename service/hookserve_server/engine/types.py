@@ -23,7 +23,6 @@ from ..telemetry import Telemetry
 
 if TYPE_CHECKING:
     from ..capture.plan import CapturePlan
-    from .admission import Room
 
 
 class Job(Protocol):
@@ -124,6 +123,27 @@ class ResolvedSpec:
     #: Answer and activation bytes per image at fixed_size (0 when the size varies).
     answer_bytes: int = 0
     activation_bytes: int = 0
+
+
+class Room:
+    """Room taken for a request's images together: each image takes one place."""
+
+    def __init__(self, n: int) -> None:
+        self._left = n
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self._left <= 0:
+                return False
+            self._left -= 1
+            return True
+
+    def close(self) -> int:
+        """The places not taken (none can be taken from here on)."""
+        with self._lock:
+            left, self._left = self._left, 0
+            return left
 
 
 class CallState:
