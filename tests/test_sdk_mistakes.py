@@ -426,3 +426,16 @@ def test_urls_that_are_not_read_say_what_to_do(given, words):
 
     with pytest.raises(ValueError, match=re.escape(words)):
         _local_path(given)
+
+
+def test_an_answer_over_the_clients_own_receive_limit_says_so(server):
+    """(gRPC words it as a request over the server's limit: the advice was to raise the
+    server's --max-message-bytes, 64 MiB, for a 2 MiB answer chunk)"""
+    with hookserve.Client(server.address, retries=0, options={
+            "grpc.max_receive_message_length": 1 << 20}) as c:
+        for call in (lambda: c.extract(SMALL, ["layer1"], resize=512, crop=512),
+                     lambda: list(c.extract_many([SMALL], ["layer1"], resize=512, crop=512))):
+            with pytest.raises(hookserve.ResourceExhausted) as err:
+                call()
+            assert "if it was an answer, it is over this client's receive limit of " \
+                   f"{1 << 20} bytes: raise it" in str(err.value)

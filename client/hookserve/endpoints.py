@@ -179,6 +179,8 @@ class Endpoints:
                          if o[0] not in given] + list(options)
         #: the largest request this client's channels send (gRPC's -1: no limit)
         self.max_send = int(dict(self._options)["grpc.max_send_message_length"])
+        #: the largest answer message they take
+        self.max_receive = int(dict(self._options)["grpc.max_receive_message_length"])
         self._creds = None
         if bool(certificate_chain) != bool(private_key):   # (gRPC aborts the process)
             raise ValueError("certificate_chain and private_key go together: a client "
@@ -268,7 +270,7 @@ class Endpoints:
                 with self._lock:   # a hung server: the next calls go elsewhere a while
                     self._down_until[index] = time.monotonic() + max(
                         self.policy.backoff(attempt), 1.0)
-            raise errors.from_rpc_error(exc) from None
+            raise errors.from_rpc_error(exc, self.max_receive) from None
         delay = self.policy.backoff(attempt)
         with self._lock:
             now = time.monotonic()
@@ -279,7 +281,7 @@ class Endpoints:
         spare = self.policy.retries and others_up and attempt < (
             self.policy.retries + len(self.addresses))
         if not (self.policy.again(attempt) or spare):
-            raise errors.from_rpc_error(exc) from None
+            raise errors.from_rpc_error(exc, self.max_receive) from None
         return 0.0 if others_up else delay
 
     def call(self, fn: Callable[[pb_grpc.FeatureExtractorStub], T]) -> T:

@@ -85,8 +85,10 @@ def error_for(code: grpc.StatusCode | int, message: str, *,
     return cls(message, code, retry_after_s=retry_after_s)
 
 
-def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
-    """Convert a grpc.RpcError raised by a call into the typed error."""
+def from_rpc_error(exc: grpc.RpcError, receive_limit: int | None = None) -> HookserveError:
+    """Convert a grpc.RpcError raised by a call into the typed error. `receive_limit`:
+    the client's own grpc.max_receive_message_length (gRPC words an answer over it as
+    it words a request over the server's limit)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     retry = None
@@ -103,6 +105,11 @@ def from_rpc_error(exc: grpc.RpcError) -> HookserveError:
     found = _over_limit(code, details)
     if found is not None:
         details = over_limit_message("a request", *found)
+        if not found[2] and found[1] == receive_limit:   # (or an answer over ours)
+            details += (f"; or, if it was an answer, it is over this client's receive "
+                        f"limit of {receive_limit} bytes: raise it, Client(..., options="
+                        "{'grpc.max_receive_message_length': BYTES}), or lower the "
+                        "server's --chunk-bytes")
     if code == grpc.StatusCode.UNAVAILABLE:
         details = (details or "") + _connect_hint(details or "")
     return error_for(code, details or "", retry_after_s=retry)
