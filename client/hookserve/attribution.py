@@ -22,7 +22,7 @@ from . import errors, wire
 from .endpoints import Endpoints
 from .extraction import Extraction, _Pending
 from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
-from .types import Size, build_preprocessing, parse_side, parse_size
+from .types import Size, build_preprocessing, check_flag, parse_side, parse_size
 from .v1 import hookserve_pb2 as pb
 
 #: The layer a CAM method explains when none is given: sent empty, the server picks the
@@ -202,12 +202,9 @@ def build_attribution_spec(layer: str | None, method: str, model: str | None, *,
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
                 or not 0 <= value <= top:
             raise ValueError(f"{what} must be a whole number from 0 to {top}, got {value!r}")
-    for what, value, none in (("relu", relu, True), ("normalize", normalize, False),
-                              ("upsample", upsample, False)):
-        if not (isinstance(value, (bool, np.bool_)) or (none and value is None)):
-            raise ValueError(f"{what} is True or False"
-                             + (" (None: the method's default)" if none else "")
-                             + f", got {value!r}")
+    check_flag("relu", relu, none="the method's default")
+    check_flag("normalize", normalize)
+    check_flag("upsample", upsample)
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) \
             or not (sigma == 0 or MIN_SG_SIGMA <= sigma <= MAX_SG_SIGMA):
         raise ValueError(f"sigma is a fraction of the input's range, {MIN_SG_SIGMA:g} to "
@@ -311,4 +308,3 @@ class AttributionRun(Extraction):
         return Attribution(p.index, p.id, map=amap, targets=targets,
                            top5=[_score(c) for c in s.top5], geometry=self.geometry(),
                            cached=bool(self._got.cached))
-

@@ -177,10 +177,11 @@ class Endpoints:
         given = {name for name, _ in options}
         self._options = [o for o in [*CHANNEL_OPTIONS, *([] if aio else SYNC_OPTIONS)]
                          if o[0] not in given] + list(options)
+        named = dict(self._options)
         #: the largest request this client's channels send (gRPC's -1: no limit)
-        self.max_send = int(dict(self._options)["grpc.max_send_message_length"])
+        self.max_send = int(named["grpc.max_send_message_length"])
         #: the largest answer message they take
-        self.max_receive = int(dict(self._options)["grpc.max_receive_message_length"])
+        self.max_receive = int(named["grpc.max_receive_message_length"])
         self._creds = None
         if bool(certificate_chain) != bool(private_key):   # (gRPC aborts the process)
             raise ValueError("certificate_chain and private_key go together: a client "

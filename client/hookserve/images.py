@@ -76,7 +76,7 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 def _local_path(path: str | os.PathLike) -> str | os.PathLike:
     """`path`, or the local path a ``file:`` URL names; any other URL that is no
     existing file is refused, saying what to do."""
-    if not isinstance(path, str) or os.path.exists(path) or not (m := _SCHEME.match(path)):
+    if not isinstance(path, str) or not (m := _SCHEME.match(path)) or os.path.exists(path):
         return path
     url = urllib.parse.urlsplit(path)
     if m.group(1).lower() == "file":

@@ -278,10 +278,12 @@ def parse_side(value: Any, what: str = "resize") -> int | None:
     return side or None
 
 
-def check_flag(what: str, value) -> None:
-    """An on/off option is True or False (a string such as "no" would be true)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{what} is True or False, got {value!r:.60}")
+def check_flag(what: str, value, none: str = "") -> None:
+    """An on/off option is True or False (a string such as "no" would be true); None
+    too when `none` says what None means."""
+    if not (isinstance(value, (bool, np.bool_)) or (none and value is None)):
+        raise ValueError(f"{what} is True or False" + (f" (None: {none})" if none else "")
+                         + f", got {value!r:.60}")
 
 
 def build_preprocessing(*, native: bool = False, resize: int | str | None = None,

@@ -296,9 +296,9 @@ def linear_head(model: nn.Module, sd: dict, head: tuple[str, ...]) -> str:
 
 def _reparametrized(unexpected: list[str]) -> str | None:
     """Why keys of a pruned or reparametrized module do not load, said with the fix."""
-    pruned = [k for k in unexpected if k.endswith("_orig")
-              and k[:-len("_orig")] + "_mask" in unexpected]
-    if pruned := [k for k in unexpected if any(k[:-5] == p[:-5] for p in pruned)]:
+    # ("_orig" and "_mask" are both five characters)
+    bases = {k[:-5] for k in unexpected if k.endswith("_orig") and k[:-5] + "_mask" in unexpected}
+    if pruned := [k for k in unexpected if k.endswith(("_orig", "_mask")) and k[:-5] in bases]:
         return ("it holds pruned weights (" + ", ".join(pruned[:2]) + "): make the "
                 "pruning permanent before saving, torch.nn.utils.prune.remove(module, "
                 "'weight') for each pruned module")

@@ -83,18 +83,18 @@ def read_labels(path: Path, what: str = "--labels file") -> tuple[str, ...]:
     if "" in lines:
         raise ConfigError(f"{what} {path}: line {lines.index('') + 1} is empty "
                           "(one class name a line)")
-    for head in (0, 1):   # a CSV of index,name, with or without a header row
+    tables = []   # (header rows, (index, name) rows): a CSV of index,name, with or
+    for head in (0, 1):   # without a header row
         found = [_INDEXED.match(line) for line in lines[head:]]
-        if len(lines) > head and all(m and int(m.group(1)) == i and m.group(2)
-                                     for i, m in enumerate(found)) and \
+        if len(lines) > head and all(m and m.group(2) for m in found) and \
                 (not head or "," in lines[0] or "\t" in lines[0]):
-            return tuple(_unquoted(m.group(2).strip()) for m in found if m)
-    for head in (0, 1):   # index,name lines in another order: by index, or refused
-        found = [_INDEXED.match(line) for line in lines[head:]]
-        if len(found) >= 2 and all(m and m.group(2) for m in found) and \
-                (not head or "," in lines[0] or "\t" in lines[0]):
-            return _by_index(path, what, [(int(m.group(1)), m.group(2)) for m in found
-                                          if m], head)
+            tables.append((head, [(int(m.group(1)), m.group(2)) for m in found if m]))
+    for _head, rows in tables:   # numbered 0, 1, 2... in order
+        if all(index == i for i, (index, _name) in enumerate(rows)):
+            return tuple(_unquoted(name.strip()) for _index, name in rows)
+    for head, rows in tables:   # in another order: by index, or refused
+        if len(rows) >= 2:
+            return _by_index(path, what, rows, head)
     return tuple(lines)
 
 

@@ -83,7 +83,8 @@ class Admission:
         place freed, one at a time, and the request could never start)."""
         with self._cond:
             if self._fits(n) or self._closing:
-                return self._take(n)
+                self._take(n)
+                return
         wake = self._wake
         call.on_cancel(wake)   # (a cancelled call stops waiting at once)
         try:
@@ -105,7 +106,7 @@ class Admission:
                 finally:
                     if n > 1:
                         self._pending -= n
-                return self._take(n)
+                self._take(n)
         finally:
             call.forget(wake)
 
@@ -136,6 +137,7 @@ class Admission:
             self._admitted -= n
             self._cond.notify_all()
 
+
 class Permit:
     """Room for one image in the queue; released exactly once."""
 
@@ -158,4 +160,3 @@ class Permit:
 
     def __exit__(self, *exc) -> None:
         self.release()
-

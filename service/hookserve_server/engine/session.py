@@ -93,7 +93,6 @@ class Session:
         # 64-bit digests of the last ID_HISTORY non-empty ids, oldest first.
         #: hashes of the ids seen, oldest first (a dict keeps insertion order)
         self._ids: dict[int, None] = {}
-        self._fail_fast = False
         #: (index, error) of the first image that failed, on a `fail_fast` run
         self.failure: tuple[int, HookserveError] | None = None
 
@@ -193,9 +192,8 @@ class Session:
         one, which one failed image fails): the first image to fail cancels the call at
         once, so the images queued behind it do not run, and is kept in `failure`.
         """
-        self._fail_fast = fail_fast
         self.engine.register(self)
-        reader = threading.Thread(target=self._read, args=(requests,),
+        reader = threading.Thread(target=self._read, args=(requests, fail_fast),
                                   name="hookserve-reader", daemon=True)
         reader.start()
         try:
@@ -267,7 +265,7 @@ class Session:
             self.cancel()
             self._free(reservation)
 
-    def _read(self, requests) -> None:
+    def _read(self, requests, fail_fast: bool) -> None:
         out = self._out
         me = weakref.ref(self)
         spec: ResolvedSpec | None = None
@@ -288,7 +286,7 @@ class Session:
                 # The future is all later stages hold of this image's call, with
                 # self.call; nothing they keep points back to this Session.
                 fut: Future = Future()
-                if self._fail_fast:   # (a weak reference: the future must not hold us)
+                if fail_fast:   # (a weak reference: the future must not hold us)
                     fut.add_done_callback(functools.partial(_failed, me, index))
                 reservation = plan = None
                 try:
@@ -329,12 +327,11 @@ def _failed(ref: weakref.ref, index: int, fut: Future) -> None:
     """A fail-fast run's image is done: the first to fail cancels its call (an image
     Cancelled after the call was cancelled failed by that cancel, not first)."""
     session = ref()
-    if session is None or fut.cancelled() or fut.exception() is None:
-        return
-    if isinstance(fut.exception(), Cancelled) and session.cancelled:
+    error = None if session is None or fut.cancelled() else fut.exception()
+    if error is None or (isinstance(error, Cancelled) and session.cancelled):
         return
     with session._cond:
         if session.failure is not None:
             return
-        session.failure = (index, fut.exception())
+        session.failure = (index, error)
     session.cancel()

@@ -168,10 +168,10 @@ def attribute(inf: Inference, call: rq.InferCall, model: str, method_name: str,
                                   f"parameters (got {extra[0][:100]!r}): the request "
                                   "parameters set the attribution")
     tensor = rq.image_input(call, extra=(TARGET,))
-    inf.check_fits(spec, tensor)
+    resolved = inf.check_fits(spec, tensor)
     images = rq.images(tensor)
     per_target = targets(call, len(images))
-    check_targets(call, per_target, inf.engine.resolve(spec).job.num_classes, model)
+    check_targets(call, per_target, resolved.job.num_classes, model)
     images = [AttributeInput(i.id, i.encoded, i.raw, i.height, i.width, target=t)
               for i, t in zip(images, per_target, strict=True)]
     results = inf.results(spec, images, stats, on_cancel, deadline, tensor.name)

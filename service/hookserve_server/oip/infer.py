@@ -28,6 +28,7 @@ from .tensors import InferAnswer, OutTensor, pack_bytes, stack
 
 if TYPE_CHECKING:
     from ..engine import Engine
+    from ..engine.types import ResolvedSpec
     from ..servicer import Servicer
 
 VERSION = "1"
@@ -175,17 +176,20 @@ class Inference:
                 self.counts.record(served, stats["images"], ok,
                                    time.perf_counter_ns() - t0)
 
-    def check_fits(self, spec, tensor: rq.InTensor) -> None:
+    def check_fits(self, spec, tensor: rq.InTensor) -> ResolvedSpec:
         """Refuse, before any image runs, a request whose images' answers cannot fit
         the limit: where every image's answer has one size (the default geometry, or a
-        resize and crop), that size times the images the tensor says it holds."""
-        per_image = self.engine.resolve(spec).answer_bytes   # (0: it varies per image)
+        resize and crop), that size times the images the tensor says it holds. -> the
+        spec resolved against its model."""
+        resolved = self.engine.resolve(spec)
+        per_image = resolved.answer_bytes   # (0: it varies per image)
         n = rq.image_count(tensor)
         if per_image and n * per_image > self.answer_limit and rq.plausible(tensor, n):
             raise ResourceExhausted(
                 f"{n} images of {per_image} bytes of answer each make "
                 f"{n * per_image} bytes, over {self.answer_limit}, this server's limit for "
                 f"one answer (--max-stream-buffer-bytes): {OVER_LIMIT_FIX}")
+        return resolved
 
     def results(self, spec, images, stats: dict, on_cancel, deadline, input_name: str
                 ) -> list[ImageResult]:
@@ -220,9 +224,9 @@ class Inference:
                     out.append(result)
                     result = None
         # the error the loop met, unless it is the Cancelled of the first failure's cancel
-        own = result is not None and not isinstance(result.error, Cancelled)
-        failed = (result.index, result.error) if own else session.failure or (
-            result is not None and (result.index, result.error))
+        failed = session.failure
+        if result is not None and not (failed and isinstance(result.error, Cancelled)):
+            failed = (result.index, result.error)
         if failed:
             index, error = failed
             stats["images"] += 1

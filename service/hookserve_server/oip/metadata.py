@@ -45,6 +45,8 @@ UNSUPPORTED = (
 
 def unsupported(what: str, instead: str) -> str:
     return f"hookserve does not support {what}: {instead}"
+
+
 #: What an output answers when its request names no dtype.
 DEFAULT_DATATYPE = DATATYPES[DEFAULT_DTYPE]
 INPUTS = [{"name": IMAGE, "datatype": "BYTES", "shape": [-1]},
