@@ -52,16 +52,38 @@ def cpu_answers(server):
     (("--dtype", "float16"), 3e-2),
     (("--dtype", "float16", "--channels-last"), 3e-2),
     (("--dtype", "bfloat16"), 8e-2),
+    (("--precision", "fp16"), 3e-2),                    # autocast, float32 weights
+    (("--precision", "bf16"), 8e-2),
 ])
 def test_cuda_features_equal_cpu(make_server, cpu_answers, extra, rel):
     imgs, want = cpu_answers
     s = cuda_server(make_server, "--device", DEVICE, *extra)
     with s.client(timeout=120) as c:
-        assert c.describe("resnet18").model.device == DEVICE
+        info = c.describe("resnet18").model
+        assert info.device == DEVICE
+        if "--precision" in extra:
+            assert info.precision == extra[extra.index("--precision") + 1]
         for im, w in zip(imgs, want, strict=True):
             got = c.extract(encode(im), LAYERS, model="resnet18")
             for name in LAYERS:
                 close(got[name], w[name], rel)
+
+
+@pytest.mark.parametrize("extra,rel", [((), 5e-3), (("--precision", "fp16"), 3e-2)])
+def test_cuda_compiled_graph_equals_cpu(make_server, cpu_answers, extra, rel):
+    """inductor on the GPU (unfrozen), compiled at start-up: its answers are the CPU's."""
+    imgs, want = cpu_answers
+    s = cuda_server(make_server, "--device", DEVICE, "--compile", "auto",
+                    "--warm", "resnet18=" + "+".join(LAYERS), *extra)
+    (graphs,) = s.engine.compiled
+    assert graphs.wait_idle(600), "compiling did not finish"
+    assert graphs.stats.compiles == 1 and graphs.stats.failures == 0
+    with s.client(timeout=120) as c:
+        for im, w in zip(imgs, want, strict=True):
+            got = c.extract(encode(im), LAYERS, model="resnet18")
+            for name in LAYERS:
+                close(got[name], w[name], rel)
+    assert graphs.stats.hits == len(imgs)
 
 
 def test_cuda_concurrent_streams_batch_and_match(make_server, cpu_answers):
