@@ -3,7 +3,8 @@ own refusals are told apart from outages (a real redis-server, conftest's fixtur
 
 - A value in Redis with a well-formed header of another shape, columns, kind or field
   types is never served (it was served as the answer, marked cached, or ended the
-  whole stream with INTERNAL) and never reaches the local tier.
+  whole stream with INTERNAL) and never reaches the local tier; nor is an Attribute
+  answer whose numbers or labels its wire fields cannot hold.
 - A Redis at its maxmemory (the default noeviction policy) refuses writes, and lookups
   go on: the values it holds are still hits (each refused write skipped lookups for a
   second).
@@ -96,6 +97,42 @@ def test_an_attribute_key_holding_a_layers_value_is_a_miss(make_server, redis_se
     db.close()
 
 
+@pytest.mark.parametrize("where,value", [
+    (("targets", 0, 0), 10**30),          # a class index over uint32
+    (("top5", 0, 0), 2**32),
+    (("top5", 0, 1), 10**400),            # a logit no float holds
+    (("targets", 0, 4), -(10**400)),      # a map_min
+    (("top5", 0, 3), "\ud800"),           # a label that is not UTF-8
+], ids=["target-index", "top5-index", "logit", "map-min", "label"])
+def test_an_attribute_value_that_could_not_be_sent_is_a_miss(make_server, redis_server,
+                                                              where, value):
+    """Fields that parse but that the answer's wire fields cannot hold: each a miss
+    recomputed (each ended the whole call with INTERNAL, every image of it lost)."""
+    import redis
+
+    s = shared_server(make_server, redis_server)
+    imgs = [rand_image(40, 40, seed=960 + i) for i in range(3)]
+    with s.client(timeout=120) as c:
+        want = [c.attribute(im, "layer4", method="grad_cam") for im in imgs]
+        assert s.engine.cache.shared.flush()
+        db = redis.Redis(port=redis_server.port)
+        for key in db.keys("hookserve:*"):
+            raw = db.get(key)
+            k = int.from_bytes(raw[:4], "little")
+            head = json.loads(raw[4:4 + k])
+            field, i, j = where
+            head[field][i][j] = value
+            _poison(db, key, head, raw[4 + k:])
+        got = [r.raise_for_error() for r in
+               c.attribute_many(imgs, "layer4", method="grad_cam")]
+    assert [g.cached for g in got] == [False] * len(imgs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.map, w.map)
+        assert g.target == w.target
+    assert events(s, "shared")["error"] >= len(imgs)
+    db.close()
+
+
 def test_a_full_redis_refuses_writes_and_still_answers_lookups(make_server, redis_server):
     import redis
 
@@ -151,13 +188,16 @@ def test_class_names_that_differ_only_by_a_newline_do_not_share_answers(
     (("--cache-url", "unix://"), "name the socket"),
     (("--cache-url", "redis://user:secret@127.0.0.1:6379/0", "--cache-max-value-bytes",
       "3GiB"), "or --cache-max-value-bytes"),
+    # at the default value size the queue is its fixed 32 MiB: only --cache-bytes helps
+    (("--cache-url", "redis://127.0.0.1:6379", "--max-buffer-bytes", "100MiB",
+      "--cache-bytes", "50MiB"), "or lower --cache-bytes\n"),
 ])
 def test_cache_flags_that_could_never_work_are_refused(make_server, flags, words):
     from hookserve_server.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         make_server(*CACHE_BASE, *flags)
-    assert words in str(err.value) and "secret" not in str(err.value)
+    assert words in str(err.value) + "\n" and "secret" not in str(err.value)
 
 
 def test_a_database_redis_does_not_have_is_refused_at_start(make_server, redis_server):

@@ -78,27 +78,36 @@ def decode(blob: bytes) -> LayerOutput:
                       for t in head["targets"]))
 
 
+# Each field is checked as its wire field will take it (a class index is a uint32, a
+# size an int64, a score a float, a label UTF-8): a value that decodes here but could
+# not be sent would end the whole call, not be a miss.
 def _text(v) -> str:
     if not isinstance(v, str):
         raise ValueError("not a string")
+    v.encode("utf-8")   # UnicodeEncodeError (a ValueError) for a lone surrogate
     return v
 
 
-def _count(v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+def _count(v, limit: int = 2**63 - 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
         raise ValueError("not a size")
     return v
 
 
 def _number(v, none: bool = False) -> float | None:
-    if (v is None and none) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
-        return v
+    if v is None and none:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        try:
+            return float(v)
+        except OverflowError:
+            pass
     raise ValueError("not a number")
 
 
 def _class_score(s: list) -> ClassScore:
     index, logit, prob, label = s
-    return ClassScore(_count(index), _number(logit), _number(prob),
+    return ClassScore(_count(index, 2**32 - 1), _number(logit), _number(prob),
                       label if label is None else _text(label))
 
 
