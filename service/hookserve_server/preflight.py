@@ -64,8 +64,7 @@ def listen_host(host: str, flag: str) -> str:
 
 
 def metrics_host(host: str) -> str:
-    """--metrics-host for the HTTP server: the IPv6 wildcard becomes 0.0.0.0, which
-    works where a container has IPv6 switched off."""
+    """--metrics-host for HTTP: the IPv6 wildcard becomes 0.0.0.0 (IPv6 may be off)."""
     no_port(host.strip(), "--metrics-host")
     addr = host.strip().strip("[]")
     return "0.0.0.0" if addr in ("", "::") else addr
@@ -308,15 +307,16 @@ def check_cache(args: argparse.Namespace) -> None:
                           f"{MAX_TTL_S} (100 years), more than Redis takes")
     if not args.cache_url:
         return
-    from .cache.shared import write_queue_bytes
+    from .cache.shared import WRITE_QUEUE_BYTES, write_queue_bytes
 
     queue = write_queue_bytes(args.cache_max_value_bytes)
     if args.cache_bytes + queue > args.max_buffer_bytes // 2:
+        lower = ("--cache-bytes or --cache-max-value-bytes (the queue holds one value)"
+                 if queue > WRITE_QUEUE_BYTES else "--cache-bytes")
         raise ConfigError(f"--cache-url: --cache-bytes {args.cache_bytes} and the Redis "
                           f"write queue ({queue} bytes) must fit in half of "
                           f"--max-buffer-bytes ({args.max_buffer_bytes // 2}): raise "
-                          "--max-buffer-bytes, or lower --cache-bytes or "
-                          "--cache-max-value-bytes (the queue holds at least one value)")
+                          f"--max-buffer-bytes, or lower {lower}")
     try:
         import redis  # noqa: F401
     except ImportError:
