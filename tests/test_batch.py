@@ -337,6 +337,16 @@ def test_cannot_proceed_exit_2(images, server, tmp_path, capsys):
     assert batch(str(root), "--out", str(tmp_path / "x.parquet"), "--layers", "layer4",
                  *OPTS, "--server", server.address) == 2
     assert "Parquet takes 1-D features" in capsys.readouterr().err
+    # answers whose spatial size follows each image's cannot share one HDF5 dataset:
+    # refused before any image is sent (--resize alone wrote a partial file, exit 1)
+    for geometry, words in [(["--native"], "--native gives"),
+                            (["--resize", "64"], "--resize without --crop gives"),
+                            (["--resize", "0"], "--resize without --crop gives")]:
+        assert batch(str(root), "--out", out, "--layers", "layer4", *geometry,
+                     "--server", server.address) == 2
+        err = capsys.readouterr().err
+        assert words in err and "avg|max|stats" in err
+        assert not os.path.exists(out)
     assert batch(str(root), "--out", out, "--layers", "fc", *OPTS, "--timeout", "2",
                  "--server", "127.0.0.1:1") == 2
     assert not os.path.exists(out)

@@ -115,10 +115,13 @@ def describe_and_check(args, client, layers) -> tuple[dict, dict, Cap]:
                 raise Abort(f"layer {li.name} gives {shape} per image; "
                              "Parquet takes 1-D features: add --reduction avg|max|flatten "
                              f"(or {li.name}:avg), or write .h5 or a folder")
-    if args.native and format_of(args.out) == "h5":
+    sized = ("--native" if args.native
+             else "--resize without --crop" if args.resize is not None and crop is None
+             else None)   # each image's answer keeps its own size (or aspect ratio)
+    if sized and format_of(args.out) == "h5":
         for li in layers:
             if follows_size(li.reduction) and len(desc.shape_of(li.name)) > 1:
-                raise Abort(f"--native gives layer {li.name} a shape that follows each "
-                             "image's size; HDF5 needs one shape: use --reduction avg|max, "
-                             "or a folder output")
+                raise Abort(f"{sized} gives layer {li.name} a shape that follows each "
+                             "image's size; HDF5 needs one shape: use --reduction "
+                             "avg|max|stats (or --crop), or a folder output")
     return meta, opts, file_cap(args.max_file_bytes, limits)
