@@ -10,6 +10,12 @@ stream (backpressure), and no set of streams can pin more than the global budget
 answer bigger than a whole budget could never fit: it gets RESOURCE_EXHAUSTED with no
 retry hint, and the stream goes on.
 
+Streams whose clients stop reading must not stall everyone else: the global budget
+keeps a headroom that only a stream holding no unsent answers may take. Streams that
+hold answers fill it up to its capacity less the headroom, so a call that has none
+waiting (a new call, or one whose client read everything) finds room for an answer up
+to the headroom's size, unless other such calls are using it.
+
 A Reservation is released exactly once: when the answer has been handed to the
 transport, or when its call ends without sending it.
 """
@@ -29,9 +35,12 @@ _CANCEL_POLL_S = 0.25
 class Budget:
     """A byte budget that readers wait on: the global one, or one stream's."""
 
-    def __init__(self, capacity: int, flag: str, parent: Budget | None = None) -> None:
+    def __init__(self, capacity: int, flag: str, parent: Budget | None = None,
+                 headroom: int = 0) -> None:
         self.capacity = capacity
         self.flag = flag
+        #: the room left to streams (children) that hold none of this budget
+        self.headroom = headroom
         self._parent = parent
         self._cond = parent._cond if parent is not None else threading.Condition()
         self.reserved = 0
@@ -55,9 +64,11 @@ class Budget:
         return Budget(capacity, flag, parent=self)
 
     def _fits(self, n: int) -> bool:
+        holds = self.reserved > 0
         b: Budget | None = self
         while b is not None:
-            if b.reserved and b.reserved + n > b.capacity:
+            room = b.capacity - (b.headroom if holds and b is not self else 0)
+            if b.reserved and b.reserved + n > room:
                 return False
             b = b._parent
         return True
