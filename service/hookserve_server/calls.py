@@ -52,10 +52,23 @@ def call_deadline(context) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+#: A client cancels at its deadline, which it reached this much before the server's
+#: clock did (the request's travel): a cancel this close to the deadline is its expiry.
+DEADLINE_SLACK_S = 0.1
+
+
 def _expired(context) -> bool:
     """Whether the call's own deadline has passed (a transport that has one)."""
     remaining = _remaining(context)
-    return remaining is not None and remaining <= 0
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
+
+
+def _gone(context) -> bool:
+    """Whether the client has ended the call (cancelled, or its deadline passed): a
+    stream whose client left while the server waited for its next request ends with
+    no exception of its own."""
+    active = getattr(context, "is_active", None)
+    return active is not None and not active()
 
 
 class Calls:
@@ -93,9 +106,25 @@ class Calls:
     @contextlib.contextmanager
     def observed(self, method: str, context, stats: dict):
         """Count the call by RPC, model, code (and attribution method), and log one
-        line for it."""
+        line for it: when its handler ends, or when the client ends the call (a cancel,
+        or its deadline), whichever comes first. A stream handler the client left is
+        not always resumed (gRPC drops it, and only a garbage collection closes it)."""
         t0 = time.monotonic()
         code = "OK"
+        pending = [True]
+
+        def done(code: str) -> None:
+            try:
+                pending.pop()   # atomic: the handler's thread or gRPC's callback
+            except IndexError:
+                return
+            if code in ("OK", "CANCELLED") and _gone(context):
+                code = "DEADLINE_EXCEEDED" if _expired(context) else "CANCELLED"
+            self._done(method, context, stats, code, t0)
+
+        add_callback = getattr(context, "add_callback", None)
+        if add_callback is not None:
+            add_callback(lambda: done("CANCELLED"))   # runs once the RPC has ended
         try:
             yield stats
         except GeneratorExit:  # the client went away mid-stream
@@ -105,9 +134,7 @@ class Calls:
             code = getattr(exc, "code", "INTERNAL")
             raise
         finally:
-            if code == "CANCELLED" and _expired(context):   # what the client saw
-                code = "DEADLINE_EXCEEDED"
-            self._done(method, context, stats, code, t0)
+            done(code)
 
     def refused(self, method: str, context, code: str) -> None:
         """A call refused before its work began (a bad token, a request that does not
