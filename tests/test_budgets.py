@@ -194,7 +194,17 @@ def test_an_answer_over_the_whole_budget_is_refused_without_retry_hint(make_serv
     assert err is not None and err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.retry_after_s is None
     assert "--max-stream-buffer-bytes" in str(err)
+    assert "fewer layers" in str(err)
     assert results[1].ok
+    # an Attribute answer is told what Attribute can change (it was told of layers,
+    # reductions and float16, which it has none of)
+    s = make_server(*FAST, "--max-stream-buffer-bytes", str(1 * MiB))
+    with s.client(timeout=60, retries=0) as c:
+        results = list(c.attribute_many([rand_image(64, 64)] * 2, method="gradient",
+                                        top_k=2))   # 2 maps of 3x224x224 float32
+    for r in results:
+        assert r.error is not None and r.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "top_k" in str(r.error) and "fewer layers" not in str(r.error)
     assert hookserve  # typed errors come from the SDK
 
 

@@ -62,6 +62,7 @@ class AttributeJob:
     """An AttributionSpec's work for each image, bound to its model."""
 
     resumable = True
+    smaller = "ask for fewer top_k maps, no upsample, or a smaller input size"
 
     def __init__(self, limits: Limits, config: EngineConfig, model: ServedModel,
                  spec: AttributionSpec, num_classes: int) -> None:
@@ -225,8 +226,7 @@ def attribution_sizes(limits: Limits, m: ServedModel, spec: AttributionSpec, h: 
         raise ResourceExhausted(
             f"the maps for one image at input {h}x{w} would be {size_text(answer)}, over "
             f"this server's --max-response-bytes of "
-            f"{size_text(limits.config.max_response_bytes)}: ask for fewer top_k maps, "
-            "no upsample, or a smaller input size")
+            f"{size_text(limits.config.max_response_bytes)}: {AttributeJob.smaller}")
     return answer, memory
 
 

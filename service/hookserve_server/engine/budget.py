@@ -47,9 +47,7 @@ class Budget:
         #: readers waiting for room right now (tests and metrics read it)
         self.waiting = 0
 
-    def check(self, n: int, what: str = "the answer for this image",
-              fix: str = "request fewer layers, a reduction (avg/max), float16, or a "
-                         "smaller input size") -> None:
+    def check(self, n: int, fix: str, what: str = "the answer for this image") -> None:
         """RESOURCE_EXHAUSTED (no retry hint) if `n` bytes could never fit."""
         b: Budget | None = self
         while b is not None:
@@ -73,13 +71,15 @@ class Budget:
             b = b._parent
         return True
 
-    def reserve(self, n: int, cancelled: Callable[[], bool]) -> Reservation | None:
+    def reserve(self, n: int, cancelled: Callable[[], bool], fix: str
+                ) -> Reservation | None:
         """Wait for room for `n` bytes; None if the call was cancelled meanwhile.
+        `fix`: what the caller can change, should `n` be over a whole budget.
 
         An empty budget always takes one answer that is not over its capacity, so a
         stream never waits for itself.
         """
-        self.check(n)
+        self.check(n, fix)
         with self._cond:
             root = self._root()
             if not self._fits(n):

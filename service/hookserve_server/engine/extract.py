@@ -35,6 +35,7 @@ class ExtractJob:
 
     cost = 0
     resumable = False
+    smaller = "request fewer layers, a reduction (avg/max), float16, or a smaller input size"
 
     def __init__(self, limits: Limits, model: ServedModel, layers: tuple[LayerSpec, ...]
                  ) -> None:

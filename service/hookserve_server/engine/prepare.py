@@ -44,6 +44,9 @@ from .types import CallState, ResolvedSpec, WorkItem
 
 log = logging.getLogger("hookserve.engine")
 
+#: What a caller can change when an image's decode and resize would not fit.
+SMALLER_DECODE = "send a smaller image, or ask for a smaller resize"
+
 
 @dataclass(frozen=True)
 class ImagePlan:
@@ -100,8 +103,8 @@ class Preparer:
         h, w = read_header(image, self.config.max_image_pixels)
         g = plan_geometry(spec.preprocess, m.defaults.resize, m.defaults.crop, h, w)
         self.limits.geometry(g)
-        self._memory.check(g.peak_bytes, what="the memory to decode and resize this image",
-                           fix="send a smaller image, or ask for a smaller resize")
+        self._memory.check(g.peak_bytes, SMALLER_DECODE,
+                           what="the memory to decode and resize this image")
         if spec.fixed_size is not None:
             return ImagePlan(g, spec.answer_bytes, spec.activation_bytes)
         answer, activation = spec.job.sizes(*g.input)
@@ -138,7 +141,8 @@ class Preparer:
             raise Cancelled("the call was cancelled")
         if call.expired():
             raise DeadlineExceeded("the call's deadline passed before the image was decoded")
-        held = self._memory.reserve(plan.geometry.peak_bytes, lambda: call.cancelled)
+        held = self._memory.reserve(plan.geometry.peak_bytes, lambda: call.cancelled,
+                                    SMALLER_DECODE)
         if held is None:
             raise Cancelled("the call was cancelled")
         try:

@@ -179,7 +179,8 @@ class Session:
         waiting for room."""
         self._check_id(image.id)
         plan = self.engine.plan(spec, image)
-        return plan, self._budget.reserve(plan.answer_bytes, lambda: self.cancelled)
+        return plan, self._budget.reserve(plan.answer_bytes, lambda: self.cancelled,
+                                          spec.job.smaller)
 
     # -- the call ------------------------------------------------------------------------
     def run(self, requests: Iterable[ExtractionSpec | ImageInput],

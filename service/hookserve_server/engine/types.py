@@ -38,6 +38,8 @@ class Job(Protocol):
     #: Its batch stays on the model's thread and runs a pass at a time (`Running`); a
     #: call has one such batch there at a time, and its memory counts while it runs.
     resumable: bool
+    #: What a caller can change to make one image's answer smaller (in refusals).
+    smaller: str
 
     def sizes(self, h: int, w: int) -> tuple[int, int]:
         """(answer, activation) bytes per image at input HxW; enforces the limits."""
