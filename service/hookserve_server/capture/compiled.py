@@ -17,6 +17,10 @@ The trace is torch.fx's, made safe beside the serving threads (`capture/tracing.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 import torch
 from torch import fx, nn
 
@@ -123,3 +127,48 @@ def to_bucket(x: torch.Tensor, rows: int, channels_last: bool) -> torch.Tensor:
     if rows > n:
         out[n:].zero_()
     return out
+
+
+def point_order(p: CapturePoint) -> tuple:
+    """The order of a graph's capture points in its key."""
+    return (p.module, p.call, p.kind.value)
+
+
+def point_name(p: CapturePoint) -> str:
+    """A capture point as the logs name it (``layer1#1``, ``fc:input``)."""
+    return p.module + (f"#{p.call}" if p.call else "") + ":input" * (p.kind is Kind.INPUT)
+
+
+@contextlib.contextmanager
+def loaded_modules(mods: list) -> Iterator[list]:
+    """Add to `mods` the Python modules inductor loads meanwhile (one compile at a
+    time), when the block ends: a frozen graph's weights are their attributes."""
+    from torch._inductor.codecache import PyCodeCache
+
+    before = len(PyCodeCache.modules)
+    try:
+        yield mods
+    finally:
+        mods.extend(PyCodeCache.modules[before:])
+
+
+def forget_graph(fn, mods: list) -> None:
+    """Free a dropped graph: what torch keeps of it process-wide otherwise (dynamo's
+    compiled code, kept with the code object of the graph's `forward`; inductor's list
+    of every module it loaded, and sys.modules) holds its frozen weights for good."""
+    forward = getattr(type(getattr(fn, "_orig_mod", None)), "forward", None)
+    code = getattr(forward, "__code__", None)
+    reset_code = getattr(torch._dynamo, "reset_code", None)
+    if code is not None and reset_code is not None:
+        reset_code(code)
+    if not mods:
+        return
+    from torch._inductor.codecache import PyCodeCache
+
+    ids = {id(m) for m in mods}
+    PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if id(m) not in ids]
+    for path in [p for p, m in PyCodeCache.modules_no_attr.items() if id(m) in ids]:
+        del PyCodeCache.modules_no_attr[path]
+    for m in mods:
+        if sys.modules.get(m.__name__) is m:
+            del sys.modules[m.__name__]

@@ -17,15 +17,14 @@ and L2 apply to its outputs), a power-of-two batch size, the exact input size:
   under the model thread's OpenMP thread count (torch.compile guards on it).
 - **Bounds.** At most (buckets) x `max_sizes` keys per layer set (the first input sizes
   to become due, `--warm` entries included; others stay eager); a graph dropped from
-  the LRU compiles again when due again, MAX_EVICTIONS times at most. Parts are used
-  only when that many graphs of the layer set fit in the LRU together. The LRU
-  holds at most `--compile-max-graphs` graphs and `--compile-max-bytes` of estimated
-  memory (`capture/compiled.graph_bytes`); a graph over that alone is not compiled. What
-  is remembered per key and layer set (batch counts, sizes, estimates, failures) is
-  bounded to `max_tracked` entries each, least recently used forgotten first.
+  the LRU compiles again when due again, MAX_EVICTIONS times at most, and is freed
+  (`capture/compiled.forget_graph`). Parts are used only when that many graphs of the
+  layer set fit in the LRU together. The LRU holds at most `--compile-max-graphs`
+  graphs and `--compile-max-bytes` of estimated memory (`graph_bytes`); a graph over
+  that alone is not compiled. What is remembered per key and layer set (batch counts,
+  sizes, estimates, failures): `max_tracked` entries each, least recently used out.
 - **Failures.** A layer set whose graph cannot be compiled at an input size is served
-  eagerly at that size from then on (at any size when it cannot be built or is over
-  the memory bound), logged once.
+  eagerly at that size from then on (any size: cannot be built, over the bound), logged.
 - Attribute batches never come here: they keep the autograd path.
 """
 
@@ -40,9 +39,10 @@ import time
 
 import torch
 
+from ..capture import compiled as graphs
 from ..capture.compiled import bucket, build_graph, graph_bytes, split, to_bucket
 from ..capture.forward import capture
-from ..capture.plan import CapturePlan, CapturePoint, point_of
+from ..capture.plan import CapturePlan, point_of
 from ..capture.reduce import reduce
 from ..capture.table import entry
 from ..capture.tracing import sharing, tracing
@@ -69,7 +69,8 @@ class CompiledGraphs:
         self.settings = settings or CompileSettings()
         self.telemetry = telemetry or Telemetry()
         self.stats = CompileStats()
-        self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> (fn, bytes)
+        self._graphs: collections.OrderedDict = collections.OrderedDict()  # (fn, bytes, mods)
+        self._dropped: list = []   # (fn, mods) of graphs out of the LRU, to free
         # What is remembered per key and per layer set is bounded (max_tracked each):
         # clients choose layer sets and, in native mode, input sizes.
         limit = self.settings.max_tracked
@@ -107,10 +108,15 @@ class CompiledGraphs:
         with zero images (5 in the graph for 8) when that one is ready, and else the
         eager hooks do. The missing parts' keys count towards their compiles when that
         many graphs of the layer set fit in the cache together; else the bucket's key
-        does (parts that cannot all be kept would evict each other)."""
+        does (parts that cannot all be kept would evict each other). Graphs dropped
+        from the LRU are freed here first, on the one thread that calls them."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        for fn, mods in dropped:
+            graphs.forget_graph(fn, mods)
         if not self.enabled:
             return capture(model, x, plan)
-        points = tuple(sorted(plan.points, key=_order))
+        points = tuple(sorted(plan.points, key=graphs.point_order))
         n, size = x.shape[0], tuple(x.shape[2:])
         parts = split(n)
         keys = [(model.name, points, rows, size) for rows in parts]
@@ -146,7 +152,7 @@ class CompiledGraphs:
             if ready:
                 outs, start = [], 0
                 with torch.inference_mode(), autocast(model.precision, x.device):
-                    for (fn, _), rows in zip(fns, parts, strict=True):
+                    for (fn, _, _), rows in zip(fns, parts, strict=True):
                         chunk = x[start:start + rows]
                         outs.append(fn(to_bucket(chunk, rows, model.channels_last)))
                         start += chunk.shape[0]
@@ -174,7 +180,7 @@ class CompiledGraphs:
                     f"{unknown[0]} cannot be captured: {why}" if why else
                     f"no {what} here (see ListModels and DescribeModel)"))
             points = tuple(sorted({point_of(m, LayerSpec(name)) for name in w.layers},
-                                  key=_order))
+                                  key=graphs.point_order))
             size = w.size or m.defaults.crop
             try:
                 table = m.layer_table(*size)
@@ -296,16 +302,17 @@ class CompiledGraphs:
                                       daemon=True, name="hookserve-compile-job")
             worker.start()
             worker.join()
-            fn, nbytes, exc = done[0] if done else (None, 0, RuntimeError("compile ended"))
+            fn, nbytes, mods, exc = done[0] if done else (None, 0, [], RuntimeError("ended"))
             if exc is not None:   # the layer set is served eagerly at that size from now on
                 log.warning("compiling %s %s failed; serving it eagerly: %s: %s", key[0],
-                            [_name(p) for p in key[1]], type(exc).__name__,
+                            [graphs.point_name(p) for p in key[1]], type(exc).__name__,
                             " ".join(str(exc).split())[:300])
             seconds = time.perf_counter() - t0
             with self._lock:
                 self._queued.discard(key)
                 self.stats.pending = len(self._queued)
                 if fn is None:
+                    graphs.forget_graph(None, mods)
                     self._failed[_failure(key, exc)] = True
                     self.stats.failures += 1
                     self.telemetry.compile_event("failure")
@@ -313,23 +320,24 @@ class CompiledGraphs:
                     self.stats.compiles += 1
                     self.stats.compile_seconds += seconds
                     self.stats.compiled_keys.append(key)
-                    self._graphs[key] = (fn, nbytes)
+                    self._graphs[key] = (fn, nbytes, mods)
                     self._layer_bytes[(key[0], key[1])] = nbytes
                     self._evict()
                     self.telemetry.compile_event("compile")
                     self.telemetry.compile_state(seconds, self.stats.graph_bytes)
                     log.info("compiled %s %s at batch %d, %dx%d in %.1f s", key[0],
-                             [_name(p) for p in key[1]], key[2], *key[3], seconds)
+                             [graphs.point_name(p) for p in key[1]], key[2], *key[3], seconds)
                 self._lock.notify_all()
-            job = model = fn = gm = None
+            job = model = fn = gm = mods = None
 
     def _compile_job(self, model: ServedModel, key, gm, done: list) -> None:
-        """(On a compile job's own thread) compile `key`'s graph; append
-        (fn, bytes, None) or (None, 0, the exception) to `done`."""
+        """(On a compile job's own thread) compile `key`'s graph; append (fn, bytes,
+        the modules inductor loaded, None) or (None, 0, those modules, the exception)."""
         # This thread keeps the OpenMP thread count the model's thread has (the
         # process default): torch.compile's guards include it, and a graph compiled
         # under another count would be compiled again by its first batch, on the
         # model's thread.
+        mods: list = []
         try:
             if self.settings.backend == "inductor":
                 import torch._inductor.config as inductor
@@ -342,10 +350,11 @@ class CompiledGraphs:
                 # unfrozen in torch 2.14, this thread's setting does not. CUDA graphs
                 # compile unfrozen, as they were measured (docs/performance.md).
                 inductor.freezing = model.device.type == "cpu"
-            with self._busy, sharing():
-                done.append((*self._compile(model, key, gm), None))
+            with self._busy, sharing(), graphs.loaded_modules(mods):
+                fn, nbytes = self._compile(model, key, gm)
+            done.append((fn, nbytes, mods, None))
         except BaseException as exc:   # reported by the compile loop, with its cause
-            done.append((None, 0, exc))
+            done.append((None, 0, mods, exc))
 
     def _compile(self, model: ServedModel, key, gm):
         _, points, rows, (h, w) = key
@@ -367,15 +376,16 @@ class CompiledGraphs:
 
     def _evict(self) -> None:
         s = self.settings
-        self.stats.graph_bytes = sum(b for _, b in self._graphs.values())
+        self.stats.graph_bytes = sum(b for _, b, _ in self._graphs.values())
         while len(self._graphs) > 1 and (len(self._graphs) > s.max_graphs
                                          or self.stats.graph_bytes > s.max_bytes):
-            old, _ = self._graphs.popitem(last=False)
+            old, (fn, _, mods) = self._graphs.popitem(last=False)
+            self._dropped.append((fn, mods))   # freed by `capture`, between batches
             self._seen.pop(old, None)
             self._evicted[old] = self._evicted.get(old, 0) + 1
             self.stats.evictions += 1
             self.telemetry.compile_event("eviction")
-            self.stats.graph_bytes = sum(b for _, b in self._graphs.values())
+            self.stats.graph_bytes = sum(b for _, b, _ in self._graphs.values())
 
 
 class _AnySize(ValueError):
@@ -387,11 +397,3 @@ def _failure(key, exc: BaseException | None = None) -> tuple:
     (another size may well compile), or at any size (None) for an `_AnySize`."""
     return (key[0], key[1], None if isinstance(exc, _AnySize) else key[3])
 
-
-def _order(p: CapturePoint) -> tuple:
-    return (p.module, p.call, p.kind.value)
-
-
-def _name(p: CapturePoint) -> str:
-    return p.module + (f"#{p.call}" if p.call else "") + (":input" if p.kind.value == "input"
-                                                          else "")
