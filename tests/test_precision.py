@@ -167,12 +167,27 @@ def test_channels_last_equals_contiguous_across_families(make_server):
 def test_precision_per_model_parsing():
     names = ["resnet18", "vgg11"]
     assert per_model(names, []) == {"resnet18": Precision.FP32, "vgg11": Precision.FP32}
-    assert per_model(names, ["bf16", "vgg11=fp32"]) == {
-        "resnet18": Precision.BF16, "vgg11": Precision.FP32}
+    # one model's precision wins over every model's, in either order (given after it,
+    # the latter overrode it)
+    for specs in (["bf16", "vgg11=fp32"], ["vgg11=fp32", "bf16"]):
+        assert per_model(names, specs) == {"resnet18": Precision.BF16,
+                                           "vgg11": Precision.FP32}
     with pytest.raises(ConfigError, match="'fp8' is not a precision"):
         per_model(names, ["fp8"])
     with pytest.raises(ConfigError, match="resnet50 is not among --model"):
         per_model(names, ["resnet50=bf16"])
+
+
+def test_weights_per_model_parsing(tmp_path):
+    """One model's weights win over every model's, in either order."""
+    from hookserve_server.preflight import weights_per_model
+
+    names = ["resnet18", "vgg11"]
+    w = tmp_path / "w.pt"
+    w.write_bytes(b"x")
+    for specs in (["random", f"vgg11={w}"], [f"vgg11={w}", "random"]):
+        assert weights_per_model(names, specs) == {"resnet18": "random", "vgg11": str(w)}
+    assert weights_per_model(names, []) == {"resnet18": "auto", "vgg11": "auto"}
 
 
 @pytest.mark.parametrize("flags,words", [

@@ -35,9 +35,10 @@ AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16
 
 def per_model(models: list[str], specs: list[str], own: dict[str, str] | None = None
               ) -> dict[str, Precision]:
-    """`--precision` values -> {model: Precision}: 'P' sets all, 'MODEL=P' one, in order
-    (the same model, or every model, given two precisions is refused); `own`: a model
-    file's entries (checked by model_file.py), which win over the flag."""
+    """`--precision` values -> {model: Precision}: 'P' sets all, 'MODEL=P' one, which
+    wins over 'P' in any order (the same model, or every model, given two precisions is
+    refused); `own`: a model file's entries (checked by model_file.py), which win over
+    the flag."""
     out = dict.fromkeys(models, Precision.FP32)
     choices = ", ".join(p.value for p in Precision)
     given: dict[str, Precision] = {}
@@ -58,8 +59,8 @@ def per_model(models: list[str], specs: list[str], own: dict[str, str] | None = 
         if given.setdefault(name, p) is not p:
             raise ConfigError(f"--precision gives {name or 'every model'} two precisions "
                               f"({given[name].value}, {p.value}): give one")
-        for m in [name] if name else out:
-            out[m] = p
+    for m in out:
+        out[m] = given.get(m, given.get("", Precision.FP32))
     for m, value in (own or {}).items():
         out[m] = Precision(value.strip().lower())
     return out

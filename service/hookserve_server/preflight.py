@@ -227,17 +227,17 @@ def models_from_flags(args: argparse.Namespace) -> list[ModelEntry]:
 
 
 def weights_per_model(models: list[str], specs: list[str]) -> dict[str, str]:
-    """`--weights` values -> {model: spec}. 'SPEC' sets all, 'MODEL=SPEC' one."""
-    out = dict.fromkeys(models, "auto")
+    """`--weights` -> {model: spec}: 'SPEC' for all, 'MODEL=SPEC' (wins) for one."""
+    every, own = "auto", {}
     for spec in specs:
         name, sep, value = spec.partition("=")
         if sep and known_architecture(name):
-            if name not in out:
+            if name not in models:
                 raise ConfigError(f"--weights {spec}: {name} is not among --model {models}")
-            out[name] = value
+            own[name] = value
         else:
-            for m in out:
-                out[m] = spec
+            every = spec
+    out = {m: own.get(m, every) for m in models}
     for m, v in out.items():
         if v not in WEIGHT_CHOICES and not Path(v).expanduser().is_file():
             what = ("a folder, not a file: give the weights file in it"
