@@ -14,9 +14,9 @@ import gc
 import weakref
 
 import torch
+from test_compiled import extract, settle, stats
 
 from conftest import encode, rand_image
-from test_compiled import extract, settle, stats
 
 
 def frozen_tensors(mods: list, model_storages: set[int]) -> list:
