@@ -10,6 +10,7 @@ minutes on a shared 2-core machine)."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import urllib.request
 from contextlib import contextmanager
@@ -389,6 +390,17 @@ def test_bucket_and_warm_parsing(make_server):
                                                     (96, 128), 8)
     with pytest.raises(ConfigError, match="MODEL=LAYER"):
         parse_warm("resnet18")
+    # each number says which it is (all were told the whole syntax again)
+    for spec, words in [("resnet18=fc#0", "the batch '0' is not a whole number of 1"),
+                        ("resnet18=fc#1.5", "the batch '1.5' is not a whole number"),
+                        ("resnet18=fc@0x64", "a side '0' is not a whole number"),
+                        ("resnet18=fc@-5x64", "a side '-5' is not a whole number"),
+                        # a compiled graph keeps captured modules whole: it was accepted,
+                        # then served eagerly, logged only
+                        ("resnet18=layer4+layer4.1:input", "layer4 holds layer4.1")]:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            parse_warm(spec)
+    assert parse_warm("resnet18=layer4+layer4:input").layers == ("layer4", "layer4:input")
     with pytest.raises(ConfigError, match="no layer layer9"):
         make_server("--model", "resnet18", "--weights", "random", "--compile", "auto",
                     "--warm", "resnet18=layer9")

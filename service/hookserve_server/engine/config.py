@@ -65,19 +65,19 @@ def parse_warm(text: str, max_batch: int | None = None, max_side: int | None = N
     rest, _, batch = rest.partition("#")
     rest, _, size = rest.partition("@")
     layers = tuple(x.strip() for x in rest.split("+") if x.strip())
-    try:
-        if not sep or not model.strip() or not layers:
-            raise ValueError
-        hw = None
-        if size:
-            h, _, w = size.lower().partition("x")
-            hw = (int(h), int(w or h))
-        warm = Warm(model.strip(), layers, hw, int(batch) if batch else 1)
-        if warm.batch < 1 or (hw and min(hw) < 1):
-            raise ValueError
-    except ValueError:
+    if not sep or not model.strip() or not layers:
         raise ConfigError(f"--warm {text!r}: write MODEL=LAYER[+LAYER...][@HxW][#BATCH], "
-                          "e.g. resnet50=layer4+layer3:input@224x224#8") from None
+                          "e.g. resnet50=layer4+layer3:input@224x224#8")
+    hw = None
+    if size:
+        h, _, w = size.lower().partition("x")
+        hw = (_whole(h, text, "a side"), _whole(w or h, text, "a side"))
+    warm = Warm(model.strip(), layers, hw, _whole(batch, text, "the batch") if batch else 1)
+    modules = {name.split(":")[0] for name in layers}
+    inner = [(a, b) for a in modules for b in modules if b.startswith(a + ".")]
+    if inner:
+        raise ConfigError(f"--warm {text}: {inner[0][0]} holds {inner[0][1]}, and a compiled "
+                          "graph keeps each captured module whole: warm them in two entries")
     # (graphs are kept per power-of-two batch: the one that holds --max-batch-size runs)
     if max_batch is not None and warm.batch > 1 << max(0, max_batch - 1).bit_length():
         raise ConfigError(f"--warm {text}: batch {warm.batch} is over --max-batch-size "
@@ -86,6 +86,18 @@ def parse_warm(text: str, max_batch: int | None = None, max_side: int | None = N
         raise ConfigError(f"--warm {text}: a side of {max(hw)} is over --max-input-side "
                           f"{max_side}, so no image of it is ever taken")
     return warm
+
+
+def _whole(value: str, text: str, what: str) -> int:
+    """A --warm number: a whole number of 1 or more."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"--warm {text}: {what} {value.strip()!r} is not a whole number "
+                          "of 1 or more")
+    return n
 
 
 @dataclass(frozen=True)
