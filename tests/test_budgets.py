@@ -185,6 +185,31 @@ def test_streams_that_are_not_read_leave_room_for_other_calls(make_server):
             assert _answers(call) == {str(i): "OK" for i in range(24)}
 
 
+def test_the_headroom_rule_and_a_stream_alone_fills_its_own_budget(make_server):
+    """The rule itself: streams holding answers stop at the capacity less the headroom,
+    one holding none takes it. And the headroom never stops a stream alone from
+    filling its own budget: an Open Inference Protocol request holds its whole answer
+    until it is complete, so a headroom that left it less would wait for itself."""
+    from hookserve_server.engine.budget import Budget
+
+    root = Budget(100, "--max-buffer-bytes", headroom=25)
+    a, b = root.child(80, "--max-stream-buffer-bytes"), root.child(80, "x")
+    never = lambda: False   # noqa: E731
+    held = [a.reserve(30, never, ""), a.reserve(30, never, ""), a.reserve(15, never, "")]
+    assert root.reserved == 75
+    assert b.reserve(20, never, "") is not None            # b holds none: the headroom
+    assert b.reserve(1, lambda: True, "") is None           # b holds 20: waits (cancelled)
+    for r in held:
+        r.release()
+    for stream, total in [(str(76 * MiB), 80 * MiB), (str(80 * MiB), 80 * MiB),
+                          (str(256 * MiB), 1024 * MiB)]:
+        s = make_server(*FAST, "--max-stream-buffer-bytes", stream,
+                        "--max-buffer-bytes", str(total))
+        g = s.engine.budget
+        assert g.capacity - g.headroom >= int(stream), (stream, total, g.headroom)
+        assert g.headroom == min(int(stream), total // 4, total - int(stream))
+
+
 def test_an_answer_over_the_whole_budget_is_refused_without_retry_hint(make_server):
     s = make_server(*FAST, "--max-stream-buffer-bytes", str(32 * MiB))
     with s.client(timeout=60, retries=0) as c:

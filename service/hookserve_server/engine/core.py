@@ -69,10 +69,12 @@ class Engine:
         #: answer bytes reserved by all streams (each stream's budget is a child); the
         #: cache's bytes come out of --max-buffer-bytes too
         held = cache.capacity if cache is not None else 0
-        room = self.config.max_buffer_bytes - held
+        room, each = self.config.max_buffer_bytes - held, self.config.max_stream_buffer_bytes
+        # (a stream alone can still fill its own budget: an OIP request holds all of its
+        # answer until it is whole)
         self.budget = Budget(room, "--max-buffer-bytes"
                              + (" less the answer cache" if held else ""),
-                             headroom=min(self.config.max_stream_buffer_bytes, room // 4))
+                             headroom=max(0, min(each, room // 4, room - each)))
         #: returns freed answer and decode memory to the OS once work stops
         self.memory = MemoryReturn(busy=lambda: self._admission.admitted > 0)
         #: set by start_drain(): open streams stop taking new images
