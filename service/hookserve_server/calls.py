@@ -53,7 +53,8 @@ def call_deadline(context) -> float | None:
 
 
 #: A client cancels at its deadline, which it reached this much before the server's
-#: clock did (the request's travel): a cancel this close to the deadline is its expiry.
+#: clock did (the request's travel): a call that ends this close to its deadline is
+#: counted as having run out of time, as its client saw it.
 DEADLINE_SLACK_S = 0.1
 
 
@@ -66,9 +67,12 @@ def _expired(context) -> bool:
 def _gone(context) -> bool:
     """Whether the client has ended the call (cancelled, or its deadline passed): a
     stream whose client left while the server waited for its next request ends with
-    no exception of its own."""
+    no exception of its own. (grpcio's record of the client's side is read where it
+    has one: is_active() turns False only once the call is torn down.)"""
     active = getattr(context, "is_active", None)
-    return active is not None and not active()
+    if active is not None and not active():
+        return True
+    return getattr(getattr(context, "_state", None), "client", None) == "cancelled"
 
 
 class Calls:
@@ -104,11 +108,13 @@ class Calls:
             yield req
 
     @contextlib.contextmanager
-    def observed(self, method: str, context, stats: dict):
+    def observed(self, method: str, context, stats: dict, *, whole_call: bool = True):
         """Count the call by RPC, model, code (and attribution method), and log one
         line for it: when its handler ends, or when the client ends the call (a cancel,
-        or its deadline), whichever comes first. A stream handler the client left is
-        not always resumed (gRPC drops it, and only a garbage collection closes it)."""
+        or its deadline), whichever comes first: a stream handler the client left is
+        not always resumed (gRPC drops it, and only a garbage collection closes it).
+        `whole_call` False: one request of a stream (its context is the stream's, so
+        the stream's end says nothing of this request)."""
         t0 = time.monotonic()
         code = "OK"
         pending = [True]
@@ -118,12 +124,13 @@ class Calls:
                 pending.pop()   # atomic: the handler's thread or gRPC's callback
             except IndexError:
                 return
-            if code in ("OK", "CANCELLED") and _gone(context):
+            if code == "CANCELLED" or (code == "OK" and whole_call and (
+                    _gone(context) or _expired(context))):
                 code = "DEADLINE_EXCEEDED" if _expired(context) else "CANCELLED"
             self._done(method, context, stats, code, t0)
 
         add_callback = getattr(context, "add_callback", None)
-        if add_callback is not None:
+        if add_callback is not None and whole_call:
             add_callback(lambda: done("CANCELLED"))   # runs once the RPC has ended
         try:
             yield stats

@@ -155,7 +155,7 @@ class Inference:
         t0 = time.perf_counter_ns()
         ok, served = False, ""
         try:
-            with self.servicer.calls.observed(method, context, stats), \
+            with self.servicer.calls.observed(method, context, stats, whole_call=slot), \
                     (self.servicer.streams.work_slot(method) if slot
                      else contextlib.nullcontext()):
                 self.check_version(call.version)
