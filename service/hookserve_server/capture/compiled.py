@@ -18,6 +18,7 @@ The trace is torch.fx's, made safe beside the serving threads (`capture/tracing.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Iterator
 
@@ -26,6 +27,8 @@ from torch import fx, nn
 
 from .plan import CapturePoint, Kind
 from .tracing import OwnThread, tracing
+
+log = logging.getLogger("hookserve.compile")
 
 
 class _Tracer(OwnThread):
@@ -141,34 +144,44 @@ def point_name(p: CapturePoint) -> str:
 
 @contextlib.contextmanager
 def loaded_modules(mods: list) -> Iterator[list]:
-    """Add to `mods` the Python modules inductor loads meanwhile (one compile at a
-    time), when the block ends: a frozen graph's weights are their attributes."""
+    """Add to `mods` the Python modules inductor loads meanwhile, when the block ends
+    (found by identity: a module freed meanwhile leaves no gap): a frozen graph's
+    weights are their attributes. With several devices compiling at once a graph may
+    also list another's modules; forgetting those only drops inductor's record."""
     from torch._inductor.codecache import PyCodeCache
 
-    before = len(PyCodeCache.modules)
+    before = {id(m) for m in list(PyCodeCache.modules)}
     try:
         yield mods
     finally:
-        mods.extend(PyCodeCache.modules[before:])
+        mods.extend(m for m in list(PyCodeCache.modules) if id(m) not in before)
 
 
 def forget_graph(fn, mods: list) -> None:
     """Free a dropped graph: what torch keeps of it process-wide otherwise (dynamo's
     compiled code, kept with the code object of the graph's `forward`; inductor's list
-    of every module it loaded, and sys.modules) holds its frozen weights for good."""
-    forward = getattr(type(getattr(fn, "_orig_mod", None)), "forward", None)
-    code = getattr(forward, "__code__", None)
-    reset_code = getattr(torch._dynamo, "reset_code", None)
-    if code is not None and reset_code is not None:
-        reset_code(code)
-    if not mods:
-        return
-    from torch._inductor.codecache import PyCodeCache
+    of every module it loaded, and sys.modules) holds its frozen weights for good.
+    Never raises: a graph that cannot be freed is logged and left as it is."""
+    try:
+        forward = getattr(type(getattr(fn, "_orig_mod", None)), "forward", None)
+        code = getattr(forward, "__code__", None)
+        reset_code = getattr(torch._dynamo, "reset_code", None)
+        if code is not None and reset_code is not None:
+            reset_code(code)   # (each graph has its own code object: build_graph)
+        if not mods:
+            return
+        from torch._inductor.codecache import PyCodeCache
 
-    ids = {id(m) for m in mods}
-    PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if id(m) not in ids]
-    for path in [p for p, m in PyCodeCache.modules_no_attr.items() if id(m) in ids]:
-        del PyCodeCache.modules_no_attr[path]
-    for m in mods:
-        if sys.modules.get(m.__name__) is m:
-            del sys.modules[m.__name__]
+        for m in mods:   # one item at a time: a compile elsewhere may be appending
+            with contextlib.suppress(ValueError):
+                PyCodeCache.modules.remove(m)
+        ids = {id(m) for m in mods}
+        for path, m in list(PyCodeCache.modules_no_attr.items()):
+            if id(m) in ids:
+                PyCodeCache.modules_no_attr.pop(path, None)
+        for m in mods:
+            if sys.modules.get(m.__name__) is m:
+                sys.modules.pop(m.__name__, None)
+    except Exception as exc:   # torch's internals moved: keep serving
+        log.warning("a dropped compiled graph could not be freed: %s: %s",
+                    type(exc).__name__, exc)
