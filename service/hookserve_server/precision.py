@@ -39,7 +39,6 @@ def per_model(models: list[str], specs: list[str], own: dict[str, str] | None = 
     wins over 'P' in any order (the same model, or every model, given two precisions is
     refused); `own`: a model file's entries (checked by model_file.py), which win over
     the flag."""
-    out = dict.fromkeys(models, Precision.FP32)
     choices = ", ".join(p.value for p in Precision)
     given: dict[str, Precision] = {}
     for spec in specs:
@@ -52,15 +51,14 @@ def per_model(models: list[str], specs: list[str], own: dict[str, str] | None = 
             raise ConfigError(f"--precision {spec}: {value!r} is not a precision; choose "
                               f"from {choices} (or MODEL={choices.replace(', ', '|')})") \
                 from None
-        if name and name not in out:
+        if name and name not in models:
             known = "a known model" if name in ARCHITECTURES else "an architecture"
             raise ConfigError(f"--precision {spec}: {name} is not among --model "
                               f"{models} ({known})")
         if given.setdefault(name, p) is not p:
             raise ConfigError(f"--precision gives {name or 'every model'} two precisions "
                               f"({given[name].value}, {p.value}): give one")
-    for m in out:
-        out[m] = given.get(m, given.get("", Precision.FP32))
+    out = {m: given.get(m, given.get("", Precision.FP32)) for m in models}
     for m, value in (own or {}).items():
         out[m] = Precision(value.strip().lower())
     return out

@@ -40,9 +40,10 @@ class _Tracer(OwnThread):
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
 
 
-def _nested(paths: set[str]) -> bool:
-    """Whether one module path lies inside another (the root "" contains all)."""
-    return any(a != b and (a == "" or b.startswith(a + ".")) for a in paths for b in paths)
+def nested(paths: set[str]) -> tuple[str, str] | None:
+    """A module path and one inside it (the root "" contains all), or None."""
+    return next(((a, b) for a in paths for b in paths
+                 if a != b and (a == "" or b.startswith(a + "."))), None)
 
 
 def build_graph(module: nn.Module, points: tuple[CapturePoint, ...]
@@ -51,7 +52,7 @@ def build_graph(module: nn.Module, points: tuple[CapturePoint, ...]
     None when the points cannot be captured this way (nested modules, a point the
     trace does not reach)."""
     paths = {p.module for p in points}
-    if _nested(paths):
+    if nested(paths) is not None:
         return None
     with tracing():   # (re-entrant: the engine may hold it already)
         graph = _Tracer(paths).trace(module)

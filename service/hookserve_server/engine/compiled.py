@@ -110,10 +110,8 @@ class CompiledGraphs:
         many graphs of the layer set fit in the cache together; else the bucket's key
         does (parts that cannot all be kept would evict each other). Graphs dropped
         from the LRU are freed here first, on the one thread that calls them."""
-        with self._lock:
-            dropped, self._dropped = self._dropped, []
-        for fn, mods in dropped:
-            graphs.forget_graph(fn, mods)
+        while self._dropped:   # (no lock: list.pop is atomic, and one late is freed next)
+            graphs.forget_graph(*self._dropped.pop())
         if not self.enabled:
             return capture(model, x, plan)
         points = tuple(sorted(plan.points, key=graphs.point_order))

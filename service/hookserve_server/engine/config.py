@@ -8,6 +8,8 @@ import collections
 import os
 from dataclasses import dataclass, field
 
+from ..capture.compiled import nested
+from ..capture.table import split_input_name
 from ..errors import ConfigError
 
 
@@ -73,10 +75,9 @@ def parse_warm(text: str, max_batch: int | None = None, max_side: int | None = N
         h, _, w = size.lower().partition("x")
         hw = (_whole(h, text, "a side"), _whole(w or h, text, "a side"))
     warm = Warm(model.strip(), layers, hw, _whole(batch, text, "the batch") if batch else 1)
-    modules = {name.split(":")[0] for name in layers}
-    inner = [(a, b) for a in modules for b in modules if b.startswith(a + ".")]
+    inner = nested({split_input_name(name)[0] for name in layers})
     if inner:
-        raise ConfigError(f"--warm {text}: {inner[0][0]} holds {inner[0][1]}, and a compiled "
+        raise ConfigError(f"--warm {text}: {inner[0]} holds {inner[1]}, and a compiled "
                           "graph keeps each captured module whole: warm them in two entries")
     # (graphs are kept per power-of-two batch: the one that holds --max-batch-size runs)
     if max_batch is not None and warm.batch > 1 << max(0, max_batch - 1).bit_length():
