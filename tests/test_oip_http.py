@@ -11,6 +11,8 @@ import shutil
 import socket
 import struct
 import subprocess
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -108,6 +110,57 @@ def test_errors(rest):
     with pytest.raises(InferenceServerException) as err:
         rest.infer("resnet18", [image_input(IMAGES[:1])], outputs=[output("nope")])
     assert err.value.status() == "400" and "unknown layer 'nope'" in err.value.message()
+
+
+def post(url: str, body: bytes | None, method: str = "POST") -> tuple[int, dict]:
+    """(HTTP status, the JSON body) of one REST call, errors included."""
+    req = urllib.request.Request(url, body, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+LONE = "\ud800"   # legal in JSON, no UTF-8 text: an error that repeats it must still go out
+
+
+@pytest.mark.parametrize("where", ["datatype", "input parameter", "output parameter",
+                                   "bytes element", "input name", "layer"])
+def test_a_lone_surrogate_anywhere_is_a_400_with_a_json_error(http_server, where):
+    image = {"name": "IMAGE", "datatype": "BYTES", "shape": [1],
+             "data": [{"b64": base64.b64encode(IMAGES[0]).decode()}]}
+    out = {"name": "layer4"}
+    if where == "datatype":
+        image["datatype"] = LONE
+    elif where == "input parameter":
+        image["parameters"] = {"shared_memory_" + LONE: 1}
+    elif where == "output parameter":
+        out["parameters"] = {LONE: 1}
+    elif where == "bytes element":
+        image["data"] = [LONE]
+    elif where == "input name":
+        image["name"] = LONE
+    else:
+        out["name"] = LONE
+    body = json.dumps({"inputs": [image], "outputs": [out]}).encode()
+    code, answer = post(f"http://127.0.0.1:{http_server.server.http.port}"
+                        "/v2/models/resnet18/infer", body)
+    assert code == 400, (code, answer)
+    assert answer["error"]
+    # and the server goes on
+    assert post(f"http://127.0.0.1:{http_server.server.http.port}/v2/health/ready",
+                None, "GET")[0] == 200
+
+
+@pytest.mark.parametrize("path", ["/v2/", "/v2/health/live/", "/v2/models/resnet18/",
+                                  "/v2/models/resnet18/infer/"])
+def test_a_path_with_a_slash_too_many_is_no_route(http_server, path):
+    code, answer = post(f"http://127.0.0.1:{http_server.server.http.port}{path}",
+                        b"{}" if path.endswith("infer/") else None,
+                        "POST" if path.endswith("infer/") else "GET")
+    assert code == 404 and "no route" in answer["error"], (code, answer)
 
 
 def curl(*args: str) -> tuple[int, bytes]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import math
 import socket
 import threading
@@ -124,6 +125,8 @@ class OipHttp:
                        Route(base + "/infer", self._infer, methods=["POST"])]
         self.app = Starlette(routes=routes, exception_handlers={
             404: self._no_route, 405: self._no_route})
+        # a path with a slash too many is no route (404), as any other: not a redirect
+        self.app.router.redirect_slashes = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -165,8 +168,12 @@ class OipHttp:
     # -- plumbing ------------------------------------------------------------------------
     @staticmethod
     def _json(body: dict, status: int = 200, headers: dict | None = None):
-        from starlette.responses import JSONResponse
-        return JSONResponse(body, status_code=status, headers=headers)
+        from starlette.responses import Response
+        # a lone surrogate a request sent (JSON may escape one) and an error repeats is
+        # sent as its JSON escape, not the failure to encode it as UTF-8
+        text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return Response(text.encode("utf-8", "backslashreplace"), status,
+                        headers, media_type="application/json")
 
     def _error(self, exc: BaseException):
         err = as_domain(exc)

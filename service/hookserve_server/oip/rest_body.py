@@ -105,7 +105,12 @@ def _element(e, name: str) -> bytes:
             raise InvalidArgument(
                 f"{name}: an element is a JSON string of base64 (it starts {e[:12]!r}): wrap "
                 'it as {"b64": "..."}; a plain string is sent as the bytes themselves')
-        return e.encode()
+        try:
+            return e.encode()
+        except UnicodeEncodeError:   # a lone surrogate, which JSON can escape
+            raise InvalidArgument(
+                f"{name}: an element is a JSON string that is not valid text (a lone "
+                'surrogate escape): send its bytes as {"b64": "..."}') from None
     if isinstance(e, dict) and isinstance(e.get("b64"), str):
         try:
             return base64.b64decode(e["b64"], validate=True)
