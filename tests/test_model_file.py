@@ -130,6 +130,16 @@ def test_a_model_file_serves_three_models_with_their_own_digests(tmp_path):
      "model r: precision 'fp8': use one of fp32, bf16, fp16"),
     ('[[model]]\narchitecture = "resnet18"\nname = "r"\nweights = "random"\ndevice = "gpu"\n',
      "model r: invalid device 'gpu'"),
+    ('[[model]]\narchitecture = "resnet18"\nname = "team/r"\nweights = "random"\n',
+     "name 'team/r' holds '/', which a REST path \\(/v2/models/<name>\\) cannot carry"),
+    ('[[model]]\narchitecture = "resnet18"\nname = "r\\u0007"\nweights = "random"\n',
+     "holds '\\\\x07', a control character: give it a name without it"),
+    ('[[model]]\narchitecture = "resnet18"\nname = "r"\nweights = "random"\n[[model]]\n'
+     'architecture = "resnet18"\nname = "r.Grad_Cam"\nweights = "random"\n',
+     "model 'r.Grad_Cam' has the name the Open Inference Protocol gives model 'r'"),
+    ('[[model]]\narchitecture = "resnet18"\nname = "r"\nweights = "random"\n'
+     '[model.preprocessing]\nresize = 100000\n',
+     "model r in .*: preprocessing.resize = 100000 is over --max-input-side 8192"),
     ('[[model]\n', "is not valid TOML"),
     ('', "declares no model"),
 ])
@@ -138,6 +148,14 @@ def test_model_file_mistakes_are_one_line_before_loading(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as err:
         RunningServer(["--models", str(tmp_path / "models.toml")], start=False)
     assert "\n" not in str(err.value)
+
+
+def test_a_model_file_saved_with_a_byte_order_mark_is_read(tmp_path):
+    (tmp_path / "models.toml").write_bytes(
+        b"\xef\xbb\xbf" + b'[[model]]\narchitecture = "resnet18"\nname = "r"\n'
+        b'weights = "random"\n')
+    s = RunningServer(["--models", str(tmp_path / "models.toml")], start=False)
+    assert list(s.server.engine.models) == ["r"]
 
 
 def test_the_model_files_precisions_are_the_servers():

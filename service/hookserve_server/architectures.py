@@ -156,12 +156,18 @@ def classifier_keys(arch: str) -> tuple[str, ...]:
 @functools.cache
 def head_slot(arch: str) -> HeadSlot | None:
     """Where `arch`'s head ends, when its last layer is a Linear (squeezenet's 1x1
-    convolution is not): the keys and input features a lone head in a file must fit."""
+    convolution is not): the keys and input features a lone head in a file must fit,
+    and the container it ends (mobilenet's ``classifier``) with what that one reads."""
     weights = [k for k in classifier_keys(arch) if k.endswith(".weight")]
     if not weights:
         return None
     module = weights[-1].rsplit(".", 1)[0]
-    last = build_meta(arch).get_submodule(module)
+    meta = build_meta(arch)
+    last = meta.get_submodule(module)
     if not isinstance(last, nn.Linear):
         return None
-    return HeadSlot(f"{module}.weight", f"{module}.bias", last.in_features)
+    container, _, _ = module.rpartition(".")
+    first = next((m for m in meta.get_submodule(container).children()
+                  if not isinstance(m, nn.Dropout)), None) if container else None
+    return HeadSlot(f"{module}.weight", f"{module}.bias", last.in_features, container,
+                    first.in_features if isinstance(first, nn.Linear) else 0)

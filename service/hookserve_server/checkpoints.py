@@ -52,28 +52,41 @@ PREFIX_DEPTH = 3
 
 class HeadSlot(NamedTuple):
     """Where an architecture's head ends: its last Linear's state_dict keys and the
-    features it reads (`architectures.head_slot`)."""
+    features it reads (`architectures.head_slot`); the container that Linear ends (a
+    classifier of more layers), if any, and the features its first Linear reads, which
+    a Linear fine-tuned in place of the whole container reads too."""
     weight: str
     bias: str
     in_features: int
+    container: str = ""
+    container_in: int = 0
 
 
 def lone_head(own: Collection[str], outside: dict[str, torch.Tensor],
               slot: HeadSlot | None) -> dict[str, str]:
     """{key: the head key it is} when the tensors `outside` the model's `own` keys hold
     one Linear (a weight, and maybe a bias) that reads the head's features, and `own`
-    holds no head; else {}. Beside it may lie scalars and vectors of one value a class
+    holds no head; else {}. A Linear that reads what the head's container reads, when
+    `own` holds none of that container, takes the container's place (the keys
+    ``classifier.weight`` and ``.bias``, as a file fine-tuned so holds them). Beside
+    it may lie scalars and vectors of one value a class
     of other modules (a loss's class weights), not any other layer: no vector over the
     features (a norm before the Linear), nor anything of a module that holds it (a
     Sequential head of more layers is not one Linear)."""
     if slot is None or slot.weight in own:
         return {}
+    fits = {slot.in_features}
+    if slot.container_in and not any(k.startswith(slot.container + ".") for k in own):
+        fits.add(slot.container_in)   # (the whole container left out: Identity)
     modules = {k.rsplit(".", 1)[0] for k, v in outside.items()
-               if k.endswith(".weight") and v.ndim == 2 and v.shape[1] == slot.in_features}
+               if k.endswith(".weight") and v.ndim == 2 and v.shape[1] in fits}
     if len(modules) != 1:
         return {}
     (module,) = modules
     weight, bias = outside[f"{module}.weight"], outside.get(f"{module}.bias")
+    if weight.shape[1] != slot.in_features:   # in place of the container: `linear_head`
+        slot = slot._replace(weight=f"{slot.container}.weight",
+                             bias=f"{slot.container}.bias")
     parent = module.rpartition(".")[0]
     others = set(outside) - {f"{module}.weight", f"{module}.bias"}
     per_class = (weight.shape[0],)
@@ -95,11 +108,15 @@ def normalise(obj: object, path: Path, keys: Collection[str] = (),
     """The state_dict in what a file held: unnested, and, given the architecture's
     own `keys`, the part of it under the prefix that holds them (`under_prefix`),
     with a lone head beside it that fits `slot`."""
-    if isinstance(obj, dict) and not _is_tensor_dict(obj):
-        for key in NESTED_KEYS:
-            if _is_tensor_dict(obj.get(key)):
-                obj = obj[key]
-                break
+    for _ in range(3):   # ({"state_dict": {"model": ...}}: nested more than once)
+        if not isinstance(obj, dict) or _is_tensor_dict(obj):
+            break
+        inner = next((obj[k] for k in NESTED_KEYS if _is_tensor_dict(obj.get(k))), None) \
+            or next((obj[k] for k in NESTED_KEYS if isinstance(obj.get(k), dict)
+                     and any(j in obj[k] for j in NESTED_KEYS)), None)
+        if inner is None:
+            break
+        obj = inner
     if _is_tensor_dict(obj) and any("._orig_mod." in k for k in obj):
         # a torch.compile'd submodule (model.features = torch.compile(model.features))
         obj = type(obj)((k.replace("._orig_mod.", "."), v) for k, v in obj.items())
@@ -206,6 +223,9 @@ def read_state_dict(path: Path, arch: str, keys: Collection[str] = (),
                     slot: HeadSlot | None = None) -> dict[str, torch.Tensor]:
     """The state_dict in a weights file (`normalise`d with the architecture's own
     `keys` and its head's `slot`); ConfigError in one line."""
+    if path.is_dir():
+        raise ConfigError(f"weights file {path} is a folder (for model {arch}): name the "
+                          "file in it")
     if not path.is_file():
         raise ConfigError(f"weights file {path} does not exist (for model {arch})")
     return normalise(read_file(path), path, keys, slot)
@@ -351,8 +371,20 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
             f"{where} does not match architecture {arch}: " + "; ".join(parts)
             + ". Is it the state_dict of a torchvision " + arch + "?"
         )
+    cast = next((k for k, t in own.items()
+                 if t.is_floating_point() and not sd[k].is_floating_point()), None)
+    if cast is not None:   # load_state_dict would cast it: served, but not as trained
+        raise ConfigError(f"{where}: {cast} holds {str(sd[cast].dtype).removeprefix('torch.')} "
+                          f"values where {arch}'s are floating point: save the float "
+                          "model's state_dict (an integer or complex copy is not its "
+                          "weights)")
     try:
         model.load_state_dict(sd, strict=True)
     except Exception as exc:   # a module's own checks (versions, say)
         raise ConfigError(f"{where} could not be loaded into {arch}: "
                           + " ".join(str(exc).split())) from None
+    bad = next((k for k, t in model.state_dict().items()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:   # every answer would be NaN
+        raise ConfigError(f"{where}: {bad} holds NaN or infinite values (a training run "
+                          "that diverged?): save weights from before that")

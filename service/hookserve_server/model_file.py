@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .attribution_spec import Method
 from .config import WEIGHT_CHOICES, known_architecture
 from .errors import ConfigError
 
@@ -87,10 +88,14 @@ def read_model_file(path: Path) -> list[ModelEntry]:
     import tomllib
 
     try:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
+        data = path.read_bytes()
+        # (a byte-order mark, which some editors write, is no TOML: read past it)
+        doc = tomllib.loads(data.decode("utf-8-sig"))
     except OSError as exc:
         raise ConfigError(f"cannot read --models {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--models {path} is not UTF-8 text (byte {exc.start}): save it "
+                          "as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--models {path} is not valid TOML: {exc}") from None
     extra = set(doc) - {"model"}
@@ -112,6 +117,11 @@ def read_model_file(path: Path) -> list[ModelEntry]:
         if names.count(n) > 1:
             raise ConfigError(f"--models {path}: two models are named {n!r}; give each its "
                               "own name")
+        base, _, method = n.rpartition(".")
+        if base in names and method.upper() in Method.__members__:
+            raise ConfigError(f"--models {path}: model {n!r} has the name the Open Inference "
+                              f"Protocol gives model {base!r}'s {method} attributions: "
+                              "rename it")
     return entries
 
 
@@ -129,6 +139,12 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
         raise ConfigError(f"{where}: architecture {arch!r} is not a torchvision classifier "
                           "(`hookserve models --available` lists them)")
     name = _string(t.get("name", arch), "name", where)
+    odd = next((c for c in name if c == "/" or not c.isprintable()), None)
+    if odd is not None:
+        what = ("which a REST path (/v2/models/<name>) cannot carry" if odd == "/"
+                else "a control character")
+        fix = "give it a name without it" if "name" in t else 'give it a name = "..."'
+        raise ConfigError(f"{where}: name {name!r} holds {odd!r}, {what}: {fix}")
     weights = _string(t.get("weights", "auto"), "weights", where)
     if weights not in WEIGHT_CHOICES:
         weights = str(_file(weights, "weights", where, path))

@@ -212,6 +212,10 @@ def build_model(arch: str, weights: str, seed: int = 0, transform_input: bool | 
                                                   head_slot(arch)))
     head = classifier_keys(arch)
     classes = head_classes(sd, list(head))
+    if classes == 0:
+        raise ConfigError(f"weights file {path}: its classifier head has no outputs (0 "
+                          "classes): save the model with its fine-tuned head, or without a "
+                          "head to serve the backbone's features")
     left_out: tuple[str, ...] = ()
     replaced = "" if classes is not None else linear_head(build_meta(arch), sd,
                                                           head_modules(head))

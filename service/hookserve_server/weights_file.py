@@ -118,6 +118,9 @@ def _load_error(path: Path, exc: Exception) -> str:
         return (f"weights file {path} is a TorchScript archive (torch.jit.save: a "
                 f"program), not a state_dict: hookserve runs no code from a weights "
                 f"file; {SAVE_HINT}")
+    if other := _other_archive(path):
+        return (f"weights file {path} is {other}, not a state_dict: hookserve reads the "
+                f"weights alone; {SAVE_HINT}")
     if not zipfile.is_zipfile(path):
         reason = "it is not a file torch.save writes"
     elif found := re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S):
@@ -126,6 +129,22 @@ def _load_error(path: Path, exc: Exception) -> str:
         reason = f"{type(exc).__name__}: {text}"
     reason = " ".join(reason.split())[:200]
     return f"could not load weights file {path} as a state_dict ({reason}); {SAVE_HINT}"
+
+
+def _other_archive(path: Path) -> str:
+    """What a zip archive that torch.load cannot read is, by its records' names: a
+    torch.export program or a numpy .npz; "" for anything else."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return ""
+    if any(n.endswith(("serialized_exported_program.json", "/archive_format"))
+           or n == "archive_format" for n in names):
+        return "a torch.export program (torch.export.save: a .pt2 archive)"
+    if names and all(n.endswith(".npy") for n in names):
+        return "a numpy .npz archive"
+    return ""
 
 
 def _starts_as_pickle(path: Path) -> bool:
