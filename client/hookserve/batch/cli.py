@@ -111,7 +111,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         "is read; the cap is lowered to what the server accepts (its "
                         "--max-message-bytes) (default: %(default)s)")
     p.add_argument("--streams", type=int, default=DEFAULTS["streams"],
-                   help="parallel extraction streams (default: %(default)s)")
+                   help="parallel extraction streams (default: %(default)s, at most 256)")
     p.add_argument("--max-in-flight", type=int, default=DEFAULTS["max_in_flight"],
                    help="images read and not yet written, over all streams; bounds memory "
                         "and what a kill can lose (default: %(default)s)")
@@ -134,7 +134,9 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help=".h5: at the end keep out.h5 as a virtual file over out.h5.parts/ "
                         "instead of copying everything into one file")
     p.add_argument("--errors", help="CSV of failed images: path, code, message "
-                                    "(default: OUT.errors.csv; removed when none failed)")
+                                    "(default: OUT.errors.csv; removed when none failed; "
+                                    "an existing file must be one: an input or the "
+                                    "output is refused)")
     p.add_argument("--progress", dest="progress", action="store_true",
                    default=DEFAULTS["progress"],
                    help="show the progress bar (default: only when stderr is a terminal)")

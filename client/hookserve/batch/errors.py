@@ -34,22 +34,60 @@ def errors_path(args) -> str:
     return args.errors or (args.out.rstrip("/") + ".errors.csv")
 
 
+#: The errors file's first line.
+HEADER = ["path", "code", "message"]
+
+
+def check_errors_path(path: str, out: str) -> None:
+    """Refuse (:class:`Abort`) an errors file the run must not write: a folder, one in
+    a folder that does not exist, the output itself or a file inside it (or its
+    parts), and an existing file that is no errors file (an input image, say), which
+    writing would destroy. A device or a pipe (``/dev/null``) is written, never
+    removed."""
+    p = os.path.abspath(path)
+    flag = f"--errors {path}"
+    if os.path.isdir(p):
+        raise Abort(f"{flag} is a folder: name a file (the default is OUT.errors.csv)")
+    if not os.path.isdir(os.path.dirname(p)):
+        raise Abort(f"{flag}: the folder {os.path.dirname(p)} does not exist")
+    o = os.path.abspath(out.rstrip("/") or out)
+    for held in (o, o + ".parts"):
+        if p == held or p.startswith(held + os.sep):
+            raise Abort(f"{flag} is {'the output' if p == o else 'inside the output'} "
+                        f"(--out {out}): name a file outside it")
+    if os.path.isfile(p) and os.path.getsize(p) > 0:
+        try:
+            with open(p, newline="", encoding="utf-8") as fh:
+                first = next(csv.reader([fh.readline()]), [])
+        except (OSError, UnicodeDecodeError):
+            first = []
+        if first != HEADER:
+            raise Abort(f"{flag} exists and is no errors file of hookserve batch (it does "
+                        "not start with path,code,message): writing it would destroy it; "
+                        "name another file")
+
+
 class ErrorsFile:
     """``path,code,message`` rows, flushed one by one (a kill keeps what was written).
 
     The file is created at the start of a run and removed at its end when no image
-    failed.
+    failed (a device or a pipe, ``/dev/null``, is only written). `check_errors_path`
+    says which paths a run may write.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.count = 0
+        self._plain = not os.path.exists(path) or os.path.isfile(path)
         # ids are valid UTF-8 (inputs.encode_name); backslashreplace keeps this file from
         # ever raising on text that is not
-        self._fh = open(path, "w", newline="", encoding="utf-8",  # noqa: SIM115
-                        errors="backslashreplace")
+        try:
+            self._fh = open(path, "w", newline="", encoding="utf-8",  # noqa: SIM115
+                            errors="backslashreplace")
+        except OSError as exc:
+            raise Abort(f"cannot write --errors {path}: {exc.strerror}") from None
         self._csv = csv.writer(self._fh)
-        self._csv.writerow(["path", "code", "message"])
+        self._csv.writerow(HEADER)
         self._fh.flush()
 
     def add(self, path: str, code: str, message: str) -> None:
@@ -59,7 +97,7 @@ class ErrorsFile:
 
     def close(self) -> None:
         self._fh.close()
-        if self.count == 0:
+        if self.count == 0 and self._plain:
             os.unlink(self.path)
 
 

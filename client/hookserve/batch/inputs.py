@@ -72,7 +72,7 @@ def _walk(root: str, unlisted: list[tuple[str, str, str]] | None = None
 def list_file(path: str) -> Iterator[str]:
     """The paths (or URLs) of a list file, one a line; blank lines and # comments skipped."""
     # surrogateescape: a listed name that is not valid UTF-8 is kept, not a crash
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as fh:
         for line in fh:
             line = line.strip()
             if line and not line.startswith("#"):
@@ -115,7 +115,7 @@ def _table(path: str, column: str) -> list[str]:
                              f"{', '.join(schema.names)}); choose one with --path-column")
         return [str(v) for v in pq.read_table(path, columns=[column]).column(column).to_pylist()
                 if v is not None and str(v) != ""]   # (an empty cell names nothing, as in a CSV)
-    with open(path, newline="", encoding="utf-8", errors="surrogateescape") as fh:
+    with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
         reader = csv.DictReader(fh, delimiter="\t" if ext == ".tsv" else ",")
         if reader.fieldnames is None or column not in reader.fieldnames:
             raise InputError(f"{path}: no column {column!r} (columns: "

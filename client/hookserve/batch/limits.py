@@ -189,6 +189,12 @@ _RANGES = {
     "listing_shards": (1, "shards per listing"), "shard_bytes": (1, "bytes"),
 }
 
+#: flag -> (highest value, why), checked by :func:`check_flags`.
+_HIGHEST = {
+    "streams": (256, "each stream is a thread here and an open call the server holds, "
+                     "which its --max-streams caps"),
+}
+
 
 def check_flags(args) -> None:
     """Raise :class:`Abort` (exit code 2, one line) for a flag out of its range, or an
@@ -201,6 +207,11 @@ def check_flags(args) -> None:
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise Abort(f"--{name.replace('_', '-')} must be at least {low} ({what}), "
+                        f"got {value}")
+    for name, (high, what) in _HIGHEST.items():
+        value = getattr(args, name, None)
+        if value is not None and value > high:
+            raise Abort(f"--{name.replace('_', '-')} must be at most {high} ({what}), "
                         f"got {value}")
     for name in ("timeout", "checkpoint_secs"):
         value = getattr(args, name, None)

@@ -29,6 +29,7 @@ from .errors import (
     EXIT_SOME_FAILED,
     Abort,
     ErrorsFile,
+    check_errors_path,
     errors_path,
 )
 from .inputs import (
@@ -116,6 +117,7 @@ def run_local(args: argparse.Namespace) -> int:
 
     if args.dry_run:
         return _dry_run(args, paths)
+    check_errors_path(errors_path(args), args.out)
     if not paths and unlisted:
         raise Abort(f"cannot list {unlisted[0][0]}: {unlisted[0][2]}: no input images "
                     "found")
@@ -147,7 +149,7 @@ def run_local(args: argparse.Namespace) -> int:
         # for answers waiting in the reorder buffer behind a slower image. Without it,
         # streams would often find no free slot, end, and reopen (a pipeline bubble,
         # and a new pick of server).
-        streams = max(1, args.streams)
+        streams = max(1, min(args.streams, len(work)))   # (no stream without an image)
         window = max(1, args.max_in_flight // (2 * streams))
         workers = Streams(client, Scheduler(work, args.max_in_flight,
                                             args.max_in_flight_bytes), layers, opts,

@@ -17,7 +17,9 @@ class OutputError(Exception):
 
 
 class ShapeMismatch(Exception):
-    """An image's features do not fit the output's fixed per-layer shape."""
+    """An image's answer does not fit this output: its features the output's fixed
+    per-layer shape, or its name a file in a folder output. The image's own failure
+    (a row of the errors file); the run goes on."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ shapes may differ from image to image."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -20,6 +21,8 @@ _TMP = itertools.count()  # this process's temporary names
 #: The folder of temporary files inside the output (no layer is named so: layer names
 #: never start with a dot).
 TMP_DIR = ".tmp"
+#: What a file name alone can make impossible: the image fails, the run goes on.
+_NAME_ERRORS = frozenset({errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
 
 
 class NpySink(Sink):
@@ -74,17 +77,26 @@ class NpySink(Sink):
     def add(self, rec: Record) -> None:
         self.check_shapes(rec)
         name = self.name_for(rec.path)
-        files = {}
+        files: dict[str, str] = {}
         for layer, arr in rec.features.items():
             rel = f"{layer}/{name}.npy"
             final = os.path.join(self.out, rel)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
             # Written in the one folder of temporary files (no final name is in it,
             # and the next run empties it), then renamed into place.
             tmp = os.path.join(self.tmp_dir, f"{os.getpid()}-{next(_TMP)}")
-            with open(tmp, "wb") as fh:
-                np.save(fh, arr, allow_pickle=False)
-            os.replace(tmp, final)
+            try:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                with open(tmp, "wb") as fh:
+                    np.save(fh, arr, allow_pickle=False)
+                os.replace(tmp, final)
+            except OSError as exc:
+                if exc.errno not in _NAME_ERRORS:   # (a full disk stops the run)
+                    raise
+                self._undo(tmp, files)
+                raise ShapeMismatch(
+                    f"cannot store its answer as {rel} in {self.out}: {exc.strerror}: "
+                    "write these inputs to a .parquet or .h5 output, which keep each path "
+                    "whole") from None
             files[layer] = rel
         line = json.dumps({"path": rec.path, "sha256": rec.sha256, "size": rec.size,
                            "mtime_ns": rec.mtime_ns, "name": name, "files": files})
@@ -92,6 +104,13 @@ class NpySink(Sink):
         self.index.flush()
         self.names[name] = rec.path
         self._done[rec.path] = (rec.size, rec.mtime_ns, rec.sha256)
+
+    def _undo(self, tmp: str, files: dict[str, str]) -> None:
+        """Remove what an image that cannot be stored left: its temporary file and the
+        files of its layers already renamed into place (no index line names them)."""
+        for p in (tmp, *(os.path.join(self.out, rel) for rel in files.values())):
+            with contextlib.suppress(OSError):
+                os.unlink(p)
 
     def close(self, complete: bool) -> None:
         if self.index is not None:

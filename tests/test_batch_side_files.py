@@ -1,0 +1,136 @@
+"""The files `hookserve batch` writes beside its output, and names it cannot write:
+the errors file never destroys a file that is not one (an input, the output, a user's
+own file) and never removes a device; a folder output's file name the filesystem
+cannot hold is that image's own row; list files with a byte-order mark; --streams
+bounded. Runs go through the CLI in a subprocess against a real server."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from hookserve.cli import main
+
+from conftest import encode, rand_image
+
+OPTS = ["--resize", "32", "--crop", "32", "--no-progress", "--layers", "fc"]
+
+
+def _png(seed: int) -> bytes:
+    return encode(rand_image(32, 32, seed=seed), "PNG")
+
+
+@pytest.fixture
+def images(tmp_path):
+    root = tmp_path / "in"
+    root.mkdir()
+    for i in range(3):
+        (root / f"{i}.png").write_bytes(_png(i))
+    return root
+
+
+def run(server, *argv: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hookserve.cli", "batch", *argv, "--server",
+           server.address, *OPTS]
+    return subprocess.run(cmd, capture_output=True, timeout=120, text=True,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+
+
+@pytest.mark.parametrize("where", ["an input", "a file of the user's", "the output",
+                                   "inside a folder output", "inside a parquet output",
+                                   "a folder", "a missing folder"])
+def test_an_errors_path_the_run_must_not_write_is_refused_and_left_as_it_was(
+        server, images, tmp_path, where):
+    out = {"inside a folder output": tmp_path / "o",
+           "inside a parquet output": tmp_path / "o.parquet"}.get(where, tmp_path / "o.h5")
+    if where in ("inside a folder output", "inside a parquet output"):
+        assert run(server, str(images), "--out", str(out)).returncode == 0
+    target = {"an input": images / "1.png",
+              "a file of the user's": tmp_path / "keep.png",
+              "the output": out,
+              "inside a folder output": out / "index.jsonl",
+              "inside a parquet output": out / "part-0.parquet",
+              "a folder": tmp_path,
+              "a missing folder": tmp_path / "nope" / "e.csv"}[where]
+    if where == "a file of the user's":
+        target.write_bytes(_png(9))
+    before = target.read_bytes() if target.is_file() else None
+    p = run(server, str(images), "--out", str(out), "--errors", str(target))
+    assert p.returncode == 2, p.stderr
+    assert f"--errors {target}" in p.stderr and "Traceback" not in p.stderr
+    assert (target.read_bytes() if target.is_file() else None) == before
+    if where == "a missing folder":
+        assert not target.parent.exists()
+
+
+def test_an_errors_file_of_an_earlier_run_is_rewritten_and_a_device_kept(
+        server, images, tmp_path):
+    (images / "bad.png").write_bytes(b"not an image")
+    errs = tmp_path / "e.csv"
+    assert run(server, str(images), "--out", str(tmp_path / "a.h5"),
+               "--errors", str(errs)).returncode == 1
+    with open(errs, newline="") as fh:
+        assert [r["code"] for r in csv.DictReader(fh)] == ["INVALID_ARGUMENT"]
+    (images / "bad.png").unlink()
+    p = run(server, str(images), "--out", str(tmp_path / "b.h5"), "--errors", str(errs))
+    assert p.returncode == 0, p.stderr
+    assert not errs.exists()        # an errors file: nothing failed, so it is removed
+    # A device (through a link of the test's own: were it removed, only the link goes)
+    null = tmp_path / "null"
+    null.symlink_to(os.devnull)
+    p = run(server, str(images), "--out", str(tmp_path / "c.h5"), "--errors", str(null))
+    assert p.returncode == 0, p.stderr
+    assert null.is_symlink() and stat.S_ISCHR(os.stat(null).st_mode)   # never removed
+
+
+@pytest.mark.parametrize("bad", ["long", "folder in the way"])
+def test_a_name_a_folder_output_cannot_hold_is_its_images_row(server, images, tmp_path,
+                                                              bad):
+    if bad == "long":   # a legal 255-byte name, over the limit once .npy is added
+        name = "y" * 251 + ".png"
+        (images / name).write_bytes(_png(5))
+    else:               # a.png's answer file, a.png.npy, is a folder of another input
+        name = "a.png"
+        (images / name).write_bytes(_png(5))
+        (images / "a.png.npy").mkdir()
+        (images / "a.png.npy" / "b.png").write_bytes(_png(6))
+    out = tmp_path / "o"
+    p = run(server, str(images), "--out", str(out))
+    assert p.returncode == 1, p.stderr
+    with open(str(out) + ".errors.csv", newline="") as fh:
+        rows = {r["path"]: r for r in csv.DictReader(fh)}
+    (row,) = rows.values()
+    assert row["path"].endswith(name if bad == "long" else "a.png.npy/b.png"), row
+    assert row["code"] == "INVALID_ARGUMENT" and "cannot store its answer" in row["message"]
+    with open(out / "index.jsonl") as fh:
+        written = [json.loads(line)["path"] for line in fh]
+    n = 3 if bad == "long" else 4
+    assert len(written) == n and row["path"] not in written   # the run went on
+    again = run(server, str(images), "--out", str(out))   # and a rerun ends the same way
+    assert again.returncode == 1 and f"skipped {n}" in again.stderr, again.stderr
+
+
+def test_a_list_file_and_a_table_with_a_byte_order_mark_miss_nothing(server, images,
+                                                                     tmp_path):
+    listing = tmp_path / "list.txt"
+    listing.write_bytes("\ufeff".encode() + b"\n".join(
+        str(images / f"{i}.png").encode() for i in range(3)) + b"\n")
+    table = tmp_path / "t.csv"
+    table.write_bytes("\ufeffpath,label\n".encode() + b"".join(
+        f"{images / f'{i}.png'},x\n".encode() for i in range(3)))
+    for i, src in enumerate((listing, table)):
+        p = run(server, str(src), "--out", str(tmp_path / f"o{i}.h5"))
+        assert p.returncode == 0 and "done 3," in p.stderr, p.stderr
+
+
+def test_streams_are_bounded(capsys):
+    assert main(["batch", "in", "--out", "o.h5", "--layers", "fc",
+                 "--streams", "100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--streams must be at most 256" in err and len(err.splitlines()) == 1
