@@ -187,6 +187,30 @@ def test_a_mistyped_flag_names_its_subcommand(command):
     assert "usage: hookserve [-h]" not in r.stderr
 
 
+@pytest.mark.parametrize("argv, meant", [
+    (["serve", "--model", "resnet18", "--prot", "7502"], "--port"),
+    (["serve", "--wieghts", "random"], "--weights"),
+    (["serve", "--max-bach-size", "8"], "--max-batch-size"),
+    (["extract", "a.jpg", "--layers", "fc", "--reductoin", "avg"], "--reduction"),
+    (["extract", "a.jpg", "--layers", "fc", "--modle", "resnet18"], "--model"),
+    (["batch", "in", "--out", "o.h5", "--layers", "fc", "--stremas", "3"], "--streams"),
+    (["models", "--servr", "localhost:1"], "--server"),
+    (["attribute", "a.jpg", "--out", "m", "--metod", "grad_cam"], "--method"),
+])
+def test_a_misspelled_flag_names_the_flag_meant_in_one_line(argv, meant):
+    r = hs(*argv)
+    assert r.returncode == 2 and f"did you mean {meant}?" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "--model 7502" not in r.stderr
+
+
+@pytest.mark.parametrize("argv", [["extract"], ["describe", "a", "b"],
+                                  ["attribute", "a.jpg"], ["models", "--timeout", "x"]])
+def test_a_subcommands_argument_error_is_one_line(argv):
+    r = hs(*argv)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"hookserve {argv[0]}: error: " in r.stderr and "--help` lists" in r.stderr
+
+
 @pytest.mark.parametrize("argv, words", [
     # another command's spelling (every other command takes --model)
     (["describe", "--model", "resnet18"], "hookserve describe takes the model as its "

@@ -14,6 +14,7 @@ from .cli_args import (
     classes_text,
     dtype_text,
     make_client,
+    near_flag,
     size_arg,
     unique_names,
     weights_text,
@@ -160,13 +161,23 @@ class CommandParser(argparse.ArgumentParser):
     and its --help (argparse leaves it to the top-level parser, whose usage says
     nothing of the subcommand's flags)."""
 
+    def error(self, message: str):
+        """One line, exit code 2: the usage block says less than --help, and pushes the
+        message down."""
+        if "--help" not in message:
+            message += f" (`{self.prog} --help` lists the flags)"
+        sys.stderr.write(f"{self.prog}: error: {' '.join(message.split())}\n")
+        sys.exit(2)
+
     def parse_known_args(self, args=None, namespace=None):
         namespace, extra = super().parse_known_args(args, namespace)
         if extra:
             hint = (f"{self.prog} takes the model as its argument: {self.prog} MODEL; "
                     if "--model" in extra and self.prog.endswith("describe") else "")
-            self.error(f"unrecognized arguments: {' '.join(extra)} ({hint}`{self.prog} "
-                       "--help` lists the flags)")
+            near = "" if hint else near_flag(self, extra[0]).strip(" ()")
+            self.error(f"unrecognized arguments: {' '.join(extra)} ({hint}"
+                       + (f"{near}; " if near else "") + f"`{self.prog} --help` lists the "
+                       "flags)")
         return namespace, extra
 
 

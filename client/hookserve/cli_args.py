@@ -9,6 +9,7 @@ neither of them, so the command's modules form no cycle.
 from __future__ import annotations
 
 import argparse
+import difflib
 import itertools
 import os
 from collections import Counter
@@ -184,3 +185,13 @@ def unique_names(candidates: Sequence[Sequence[str]],
             names[i] = next(n for n in itertools.chain(c, more) if not fold(n) & taken)
             taken |= fold(names[i])
     return [n for n in names if n is not None]
+
+
+def near_flag(parser: argparse.ArgumentParser, word: str) -> str:
+    """" (did you mean --port?)" for a misspelled flag (``--prot``), the nearest of
+    `parser`'s own; "" when none is near or `word` is no flag."""
+    if not word.startswith("--"):
+        return ""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    near = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.7)
+    return f" (did you mean {near[0]}?)" if near else ""

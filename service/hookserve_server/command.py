@@ -20,6 +20,8 @@ import os
 import re
 import sys
 
+from hookserve.cli_args import near_flag
+
 from .config import ARCHITECTURES, add_serve_arguments, env_name  # noqa: F401  (models --available)
 from .errors import ConfigError, HookserveError
 from .logs import setup_logging
@@ -47,11 +49,15 @@ class ServeParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         namespace, extra = super().parse_known_args(args, namespace)
         if extra:
-            word = next((e for e in extra if not e.startswith("-")), None)
-            self.error(f"unrecognized arguments: {' '.join(extra)}" + (
-                f" (a model to serve is named with --model: --model {word})"
-                if word is not None else ""))
+            self.error(f"unrecognized arguments: {' '.join(extra)}" + self._hint(extra))
         return namespace, extra
+
+    def _hint(self, extra: list[str]) -> str:
+        """The flag a misspelled one likely meant; else, for a bare word first (no
+        flag before it: ``hookserve serve resnet18``), how a model is named."""
+        if not extra[0].startswith("-"):
+            return f" (a model to serve is named with --model: --model {extra[0]})"
+        return near_flag(self, extra[0])
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
