@@ -134,3 +134,20 @@ def test_streams_are_bounded(capsys):
                  "--streams", "100000"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--streams must be at most 256" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage", ["no json", "a key missing", "no object"])
+def test_a_damaged_line_of_a_folder_outputs_index_is_named(server, images, tmp_path, damage):
+    out = tmp_path / "o"
+    assert run(server, str(images), "--out", str(out)).returncode == 0
+    lines = (out / "index.jsonl").read_text().splitlines()
+    row = json.loads(lines[1])
+    lines[1] = {"no json": lines[1][:20],
+                "a key missing": json.dumps({k: v for k, v in row.items() if k != "size"}),
+                "no object": "[1, 2]"}[damage]
+    (out / "index.jsonl").write_text("\n".join(lines) + "\n")
+    p = run(server, str(images), "--out", str(out))
+    assert p.returncode == 2, p.stderr
+    err = p.stderr.strip()
+    assert f"{out / 'index.jsonl'} line 2 is damaged" in err and "Traceback" not in err, err
+    assert "remove that line" in err and len(err.splitlines()) == 1, err

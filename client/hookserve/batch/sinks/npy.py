@@ -58,8 +58,8 @@ class NpySink(Sink):
                 keep = data.rfind(b"\n") + 1
                 if keep != len(data):  # a torn last line: that image was not written
                     fh.truncate(keep)
-            for line in data[:keep].splitlines():
-                row = json.loads(line)
+            for n, line in enumerate(data[:keep].splitlines(), 1):
+                row = _row(line, self.index_path, n)
                 self._done[row["path"]] = (row["size"], row["mtime_ns"], row["sha256"])
                 self.names[row["name"]] = row["path"]
         self.index = open(self.index_path, "ab")  # noqa: SIM115 - closed in close()
@@ -123,6 +123,26 @@ class NpySink(Sink):
             self.lock.release()
 
 
+#: What each line of index.jsonl holds (besides the files).
+_ROW_KEYS = ("path", "sha256", "size", "mtime_ns", "name")
+
+
+def _row(line: bytes, index: str, n: int) -> dict:
+    """Line `n` of a folder output's index, or OutputError naming it."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        why = f"it is no JSON: {exc}"
+    else:
+        missing = [k for k in _ROW_KEYS if k not in row] if isinstance(row, dict) else []
+        why = ("it is no JSON object" if not isinstance(row, dict)
+               else f"it lacks {', '.join(missing)}" if missing else "")
+    if why:
+        raise OutputError(f"{index} line {n} is damaged ({why}): remove that line (its "
+                          "image is then extracted again), or write to a new --out")
+    return row
+
+
 def safe_relpath(path: str) -> str:
     """A relative file name for `path` inside an output folder: no leading '/', no '..'."""
     p = os.path.normpath(path)
@@ -140,4 +160,5 @@ def peek_done(out: str) -> dict:
     if not os.path.exists(index):
         return {}
     with open(index, "rb") as fh:
-        return {json.loads(line)["path"]: True for line in fh if line.endswith(b"\n")}
+        return {_row(line, index, n)["path"]: True
+                for n, line in enumerate(fh, 1) if line.endswith(b"\n")}
