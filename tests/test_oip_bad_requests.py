@@ -112,6 +112,17 @@ BAD_BODIES = [  # (body, words the 400's message must hold)
     (with_good(parameters={"mode": "resize_crop"}), "mode=resize_crop needs resize"),
     ({"inputs": [GOOD, {"name": "TARGET", "datatype": "INT64", "shape": [1],
                         "data": [3]}]}, "TARGET is for attribution models only"),
+    ({"inputs": [{**GOOD, "name": ""}]},
+     'inputs[0]: "name" must be a non-empty string, not an empty one'),
+    ({"inputs": [{**GOOD, "datatype": 5}]},
+     "input 'IMAGE' has a \"datatype\" that is a number, not a string"),
+    # an integer parameter is digits: not what Python's int() also takes
+    (with_good(parameters={"mode": "resize_crop", "resize": "1_000"}),
+     "resize='1_000': use an integer"),
+    (with_good(parameters={"mode": "resize_crop", "resize": " 64 "}),
+     "resize=' 64 ': use an integer"),
+    (with_good(parameters={"mode": "resize_crop", "resize": "\uff16\uff14"}),
+     "use an integer"),
 ]
 
 

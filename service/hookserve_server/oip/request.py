@@ -166,12 +166,14 @@ def _bool(value, what: str) -> bool:
 
 
 def as_int(value, what: str) -> int:
+    """An integer parameter, given as one or as a string of digits (an optional sign;
+    no spaces or underscores, which Python's int() would take)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidArgument(f"{what}={shown(value)}: use an integer")
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidArgument(f"{what}={shown(value)}: use an integer") from None
+    if isinstance(value, str) and not value.removeprefix("-").isdigit() \
+            or isinstance(value, str) and not value.isascii():
+        raise InvalidArgument(f"{what}={shown(value)}: use an integer")
+    return int(value)
 
 
 def output_plans(outputs: list[OutRequest], logits: str) -> list[OutPlan]:

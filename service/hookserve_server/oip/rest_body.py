@@ -70,7 +70,8 @@ def _list(v, what: str) -> list:
 
 def _text(v, what: str) -> str:
     if not isinstance(v, str) or not v:
-        raise InvalidArgument(f"{what} must be a non-empty string, not {_kind(v)}")
+        raise InvalidArgument(f"{what} must be a non-empty string, not "
+                              + ("an empty one" if v == "" else _kind(v)))
     return v
 
 
@@ -175,8 +176,10 @@ def to_call(model: str, version: str, body: bytes, header_length: str | None
         name = _text(t.get("name"), f"inputs[{i}]: \"name\"")[:100]
         datatype = t.get("datatype")
         if not isinstance(datatype, str) or not datatype:
-            raise InvalidArgument(f"input {name!r} has no \"datatype\": BYTES for IMAGE "
-                                  "(encoded images), UINT8 for INPUT__0 (pixels)")
+            what = ("has no \"datatype\"" if datatype in (None, "") else
+                    f"has a \"datatype\" that is {_kind(datatype)}, not a string")
+            raise InvalidArgument(f"input {name!r} {what}: BYTES for IMAGE (encoded "
+                                  "images), UINT8 for INPUT__0 (pixels)")
         shape = _shape(t.get("shape"), name)
         params = _object(t.get("parameters"), f"input {name!r}: \"parameters\"")
         check_input_params(params, name)

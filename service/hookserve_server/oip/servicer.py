@@ -70,7 +70,7 @@ def _typed(t) -> list | bytes:
             "INT32": "int_contents"}.get(t.datatype)
     if name is None:
         raise InvalidArgument(f"input {t.name[:100]!r}: datatype {t.datatype[:20]} is not "
-                              "one this server reads (BYTES, UINT8, INT64)")
+                              "one this server reads (BYTES, UINT8, INT64, INT32)")
     field = getattr(c, name)
     want = element_count(tuple(t.shape), f"input {t.name[:100]!r}")
     held = [f.name for f, _ in c.ListFields()]
