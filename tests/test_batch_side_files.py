@@ -151,3 +151,44 @@ def test_a_damaged_line_of_a_folder_outputs_index_is_named(server, images, tmp_p
     err = p.stderr.strip()
     assert f"{out / 'index.jsonl'} line 2 is damaged" in err and "Traceback" not in err, err
     assert "remove that line" in err and len(err.splitlines()) == 1, err
+
+
+def _file_size_limit(limit: int):
+    def apply() -> None:   # (in the child: a full disk, for that process's files alone)
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+@pytest.mark.parametrize("fmt, limit, extra", [
+    ("h5", 60 << 10, []),                         # the journal fills up
+    ("h5", 300 << 10, ["--checkpoint", "32"]),    # the parts fit, the whole file does not
+    ("parquet", 60 << 10, []),
+])
+def test_a_full_disk_is_one_line_and_the_next_run_loses_nothing(server, tmp_path, fmt,
+                                                                 limit, extra):
+    root = tmp_path / "in"
+    root.mkdir()
+    for i in range(60):
+        (root / f"{i:02d}.png").write_bytes(_png(i))
+    out = tmp_path / f"o.{fmt}"
+    argv = [sys.executable, "-m", "hookserve.cli", "batch", str(root), "--out", str(out),
+            "--server", server.address, *OPTS[:-1], "layer4:avg,fc", *extra]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                       preexec_fn=_file_size_limit(limit))
+    assert p.returncode == 2, p.stderr
+    err = p.stderr.strip()
+    assert f"cannot write {out}: File too large: free space" in err, err
+    assert len(err.splitlines()) == 1, err
+    assert not (tmp_path / f".tmp-o.{fmt}").exists()
+    assert not (tmp_path / f"o.{fmt}.errors.csv").exists()   # nothing failed
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    if fmt == "h5":
+        import h5py
+        with h5py.File(out) as f:
+            paths = [p.decode() for p in f["paths"][:]]
+    else:
+        import pyarrow.parquet as pq
+        paths = pq.read_table(out, columns=["path"]).column("path").to_pylist()
+    assert sorted(paths) == sorted(str(root / f"{i:02d}.png") for i in range(60))

@@ -15,6 +15,7 @@ from .local_run import run_local
 from .readers import is_tar
 from .remote import expand_braces, is_url
 from .sharded_run import run_sharded
+from .sinks import OutputError
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,8 +24,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_flags(args)
         return run_sharded(args) if wants_shards(args) else run_local(args)
-    except Abort as exc:
+    except (Abort, OutputError) as exc:   # (OutputError: the output failed mid-run)
         print(f"hookserve batch: {exc}", file=sys.stderr)
+        if getattr(exc, "exit_now", False):   # (an HDF5 file left mid-write: tearing its
+            sys.stdout.flush()                  # objects down would crash the process)
+            sys.stderr.flush()
+            os._exit(EXIT_CANNOT_PROCEED)
         return EXIT_CANNOT_PROCEED
 
 

@@ -250,8 +250,10 @@ def _write_in_order(workers: Streams, work: list[Item], sink: Sink, errs: Errors
         progress.update(n_done, errs.count - n_prior, force=True)
         progress.finish()
         complete = next_pos >= len(work)
-        sink.close(complete=complete and workers.fatal is None)
-        errs.close()
+        try:
+            sink.close(complete=complete and workers.fatal is None)
+        finally:   # (a full disk fails the sink's close; the errors file still closes)
+            errs.close()
     return n_done, next_pos
 
 

@@ -171,6 +171,8 @@ class PartSink(Sink):
         self.journal = None
         self.since = time.monotonic()
         self.lock: Lock | None = None
+        #: a write that failed (a full disk): nothing more is written, see `close`
+        self.broken: OutputError | None = None
 
     # subclass hooks
     def _write_part(self, tmp: str, recs: list[Record]) -> None:
@@ -243,10 +245,11 @@ class PartSink(Sink):
 
     def add(self, rec: Record) -> None:
         self.check_shapes(rec)
-        if self.journal is None:
-            self.journal = open(  # noqa: SIM115 - closed at the checkpoint
-                os.path.join(self.dir, f".journal-{self.seq:06d}.bin"), "ab")
-        journal_append(self.journal, rec)
+        with self._writing():
+            if self.journal is None:
+                self.journal = open(  # noqa: SIM115 - closed at the checkpoint
+                    os.path.join(self.dir, f".journal-{self.seq:06d}.bin"), "ab")
+            journal_append(self.journal, rec)
         self.buffer.append(rec)
         self.buffer_bytes += rec.nbytes
         self._done[rec.path] = (rec.size, rec.mtime_ns, rec.sha256)
@@ -261,7 +264,8 @@ class PartSink(Sink):
         if not force and time.monotonic() - self.since < self.checkpoint_secs:
             return
         n = self.seq
-        self._commit(self.buffer, n)
+        with self._writing():
+            self._commit(self.buffer, n)
         if self.journal is not None:
             self.journal.close()
             self.journal = None
@@ -274,17 +278,53 @@ class PartSink(Sink):
     def _commit(self, recs: list[Record], n: int) -> None:
         name = f"part-{n:06d}.{self.ext}"
         tmp = os.path.join(self.dir, f".tmp-{name}")
-        self._write_part(tmp, recs)
+        try:
+            self._write_part(tmp, recs)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         replace(tmp, os.path.join(self.dir, name))
         self.parts.append((name, len(recs)))
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A write to the output: one that fails (no space left, a file size limit, an
+        I/O error) breaks the sink. Its error says what to do; `close` then writes
+        nothing more: the journal keeps every image written, for the next run. (The
+        HDF5 library's own failure comes as RuntimeError, holding the errno's text.)"""
+        if self.broken is not None:
+            raise self.broken
+        try:
+            yield
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "errno" not in str(exc):
+                raise
+            found = re.search(r"error message = '([^']+)'", str(exc))
+            why = (exc.strerror if isinstance(exc, OSError) and exc.strerror
+                   else found.group(1) if found else " ".join(str(exc).split())[:200])
+            self.broken = OutputError(
+                f"cannot write {self.out}: {why}: free space (or lift the limit) and run "
+                "the same command again; the images written so far are kept")
+            # an HDF5 file whose write failed cannot be closed cleanly: the process
+            # ends without tearing it down (`batch.command.run`)
+            self.broken.exit_now = isinstance(exc, RuntimeError)   # type: ignore[attr-defined]
+            raise self.broken from None
 
     def _finished(self, complete: bool) -> None:
         """Called at close, after the last checkpoint, with the lock still held."""
 
     def close(self, complete: bool) -> None:
         try:
+            if self.broken is not None:   # write nothing more: the journal holds the rest
+                if self.journal is not None:
+                    with contextlib.suppress(OSError):
+                        self.journal.close()
+                    self.journal = None
+                return
             self.checkpoint(force=True)
-            self._finished(complete)
+            with self._writing():
+                self._finished(complete)
         finally:
             if self.lock is not None:
                 self.lock.release()

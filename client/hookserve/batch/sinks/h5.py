@@ -10,6 +10,7 @@ file into a new parts folder as part 0 and goes on from there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -153,10 +154,20 @@ class H5Sink(PartSink):
 
     def _consolidate(self) -> None:
         """Copy every part into one self-contained file (once, at the end of a run)."""
-        h5py = self.h5py
-        total = sum(n for _, n in self.parts)
         tmp = os.path.join(os.path.dirname(os.path.abspath(self.out)),
                            f".tmp-{os.path.basename(self.out)}")
+        try:
+            self._copy_parts(tmp)
+        except BaseException:   # (a full disk: the parts stay, the next run consolidates)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        replace(tmp, self.out)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _copy_parts(self, tmp: str) -> None:
+        h5py = self.h5py
+        total = sum(n for _, n in self.parts)
         with h5py.File(tmp, "w") as f:
             self._attrs(f, "single")
             sources = [h5py.File(os.path.join(self.dir, p), "r") for p, _ in self.parts]
@@ -187,8 +198,6 @@ class H5Sink(PartSink):
             finally:
                 for s in sources:
                     s.close()
-        replace(tmp, self.out)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 

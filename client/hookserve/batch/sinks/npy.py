@@ -90,9 +90,12 @@ class NpySink(Sink):
                     np.save(fh, arr, allow_pickle=False)
                 os.replace(tmp, final)
             except OSError as exc:
-                if exc.errno not in _NAME_ERRORS:   # (a full disk stops the run)
-                    raise
                 self._undo(tmp, files)
+                if exc.errno not in _NAME_ERRORS:   # (a full disk stops the run)
+                    raise OutputError(f"cannot write {self.out}: {exc.strerror or exc}: "
+                                      "free space (or lift the limit) and run the same "
+                                      "command again; the images written so far are "
+                                      "kept") from None
                 raise ShapeMismatch(
                     f"cannot store its answer as {rel} in {self.out}: {exc.strerror}: "
                     "write these inputs to a .parquet or .h5 output, which keep each path "
