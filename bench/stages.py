@@ -10,8 +10,11 @@ One client sends one 224 px JPEG at a time (`Client.extract`, i.e. the ExtractIm
 RPC; `--rpc stream`: a one-image Extract stream; default preprocessing, layer4 avg)
 to hookserve started under bench/trace_server.py (probes on the server's
 own functions, one JSON line per call), alternating with the same work in process
-(decode + hooked forward, bench/peers/hooked.py) so both see the same machine.
-Prints the median of each stage, the server's Prometheus stage histograms (sum/count
+(decode + hooked forward, bench/peers/hooked.py) so both see the same machine
+(`--no-floor`: hookserve alone, each image following the last one's answer rather
+than the in-process forward pass, which leaves the caches cold). Prints the median of
+each stage, the decode and forward stages in parts (with a compiled graph: the graph
+alone, and what the server does around it), the server's Prometheus stage histograms (sum/count
 over the run) against the client's mean, and writes bench/results/stages-*.json.
 """
 
@@ -56,6 +59,16 @@ STAGES = [
     ("messages to gRPC (stream: + status)", "encoded", "answer_out"),
     ("gRPC out + SDK decode (to the client)", "answer_out", "client_done"),
 ]
+#: Two stages in parts (not summed again): the decode stage's, and the forward's when
+#: a compiled graph answers (an eager forward has no graph probes: those rows are nan).
+SUBSTAGES = [
+    ("decode + resize + crop: decode", "dec_start", "dec_end"),
+    ("decode + resize + crop: resize + crop", "geo_start", "geo_end"),
+    ("forward: stack and normalise", "forward_start", "stacked"),
+    ("forward: plan, graph lookup, input layout", "stacked", "graph_start"),
+    ("forward: the compiled graph", "graph_start", "graph_end"),
+    ("forward: reduce, rows, metric", "graph_end", "forward_end"),
+]
 METRICS = ["hookserve_preprocess_seconds", "hookserve_queue_wait_seconds",
            "hookserve_forward_seconds", "hookserve_serialize_seconds"]
 
@@ -77,7 +90,7 @@ def first(events: list, name: str, after: float = 0.0) -> float | None:
 
 def split(calls: list[list], client: list[tuple[float, float]]) -> dict[str, list[float]]:
     """Per stage, the ms each image spent in it (images with every probe only)."""
-    per: dict[str, list[float]] = {label: [] for label, _, _ in STAGES}
+    per: dict[str, list[float]] = {label: [] for label, _, _ in STAGES + SUBSTAGES}
     for events, (t_send, t_done) in zip(calls, client, strict=True):
         ev = [("client_send", t_send), *events, ("client_done", t_done)]
         t_img = [t for n, t in ev if n == "request_parsed"]
@@ -89,6 +102,10 @@ def split(calls: list[list], client: list[tuple[float, float]]) -> dict[str, lis
             if ta is not None and tb is not None:
                 per[label].append((tb - ta) * 1e3)
                 times[b] = tb
+        for label, a, b in SUBSTAGES:
+            ta, tb = first(ev, a), first(ev, b)
+            if ta is not None and tb is not None and tb >= ta:
+                per[label].append((tb - ta) * 1e3)
     return per
 
 
@@ -105,6 +122,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--delay-ms", type=float, default=5.0)
+    ap.add_argument("--no-floor", action="store_true",
+                    help="do not run the in-process column: each image then follows the "
+                         "last one's answer, not another forward pass over the cores' caches")
     ap.add_argument("--hookserve-arg", action="append", default=[],
                     help="extra `hookserve serve` flag (repeat)")
     ap.add_argument("--out", type=Path, default=None)
@@ -137,11 +157,13 @@ def main() -> int:
                 extract(b)
                 floor.extract([b])
             before = scrape(mport)
-            say(f"{a.images} images, one at a time, alternating with in-process")
+            say(f"{a.images} images, one at a time"
+                + ("" if a.no_floor else ", alternating with in-process"))
             for b in data[3:]:
-                t0 = time.perf_counter()
-                floor.extract([b])
-                local.append(time.perf_counter() - t0)
+                if not a.no_floor:
+                    t0 = time.perf_counter()
+                    floor.extract([b])
+                    local.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 extract(b)
                 client.append((t0, time.perf_counter()))
@@ -153,7 +175,8 @@ def main() -> int:
     lat = [(d - s) * 1e3 for s, d in client]
     R = res["rows"]
     R["client_ms"] = {"median": median(lat), "mean": sum(lat) / len(lat)}
-    R["inproc_ms"] = {"median": median(local) * 1e3, "mean": sum(local) / len(local) * 1e3}
+    R["inproc_ms"] = ({"median": median(local) * 1e3, "mean": sum(local) / len(local) * 1e3}
+                      if local else None)
     R["stages_median_ms"] = {k: median(v) if v else None for k, v in per.items()}
     R["stages_mean_ms"] = {k: sum(v) / len(v) if v else None for k, v in per.items()}
     n = after["hookserve_forward_seconds"][1] - before["hookserve_forward_seconds"][1]
@@ -177,12 +200,20 @@ def table(R: dict) -> str:
         lines.append(f"{label:<46}{med if med is not None else float('nan'):>9.2f}"
                      f"{mean if mean is not None else float('nan'):>9.2f}")
     lines.append(f"{'sum of stages':<46}{'':>9}{total:>9.2f}")
+    subs = [(label, R["stages_median_ms"].get(label), R["stages_mean_ms"].get(label))
+            for label, _, _ in SUBSTAGES]
+    if any(med is not None for _, med, _ in subs):
+        lines.append("in parts:")
+        for label, med, mean in subs:
+            lines.append(f"{label:<46}{med if med is not None else float('nan'):>9.2f}"
+                         f"{mean if mean is not None else float('nan'):>9.2f}")
     c, p = R["client_ms"], R["inproc_ms"]
     lines.append(f"{'client latency':<46}{c['median']:>9.2f}{c['mean']:>9.2f}")
-    lines.append(f"{'in process (decode + hooked forward)':<46}{p['median']:>9.2f}"
-                 f"{p['mean']:>9.2f}")
-    lines.append(f"{'added by the service':<46}{c['median'] - p['median']:>9.2f}"
-                 f"{c['mean'] - p['mean']:>9.2f}")
+    if p is not None:   # (--no-floor: no in-process column)
+        lines.append(f"{'in process (decode + hooked forward)':<46}{p['median']:>9.2f}"
+                     f"{p['mean']:>9.2f}")
+        lines.append(f"{'added by the service':<46}{c['median'] - p['median']:>9.2f}"
+                     f"{c['mean'] - p['mean']:>9.2f}")
     lines.append("")
     lines.append(f"server metrics, mean per observation over {R['metrics_images']:.0f} "
                  "forward passes (ms):")
