@@ -184,7 +184,10 @@ def test_h5_full_maps_float16_and_resume_appends_new_images(images, server, clie
     # Other settings into the same output cannot proceed.
     assert batch(str(src), "--out", out, "--layers", "layer2", *OPTS,
                  "--server", server.address) == 2
-    assert "different settings" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "different settings" in err, err   # each difference: what it holds, what is asked
+    assert 'dtype: it holds "float16", this run asks "float32"' in err, err
+    assert "layers: it holds" in err and '"layer2"' in err and '"layer3"' in err, err
 
 
 def test_shards_cover_the_input_exactly_once(images, server, tmp_path, capsys):

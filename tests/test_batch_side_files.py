@@ -192,3 +192,20 @@ def test_a_full_disk_is_one_line_and_the_next_run_loses_nothing(server, tmp_path
         import pyarrow.parquet as pq
         paths = pq.read_table(out, columns=["path"]).column("path").to_pylist()
     assert sorted(paths) == sorted(str(root / f"{i:02d}.png") for i in range(60))
+
+
+def test_a_parquet_input_that_is_no_parquet_is_named(tmp_path, capsys):
+    bad = tmp_path / "list.parquet"
+    bad.write_bytes(b"not parquet at all")
+    assert main(["batch", str(bad), "--out", str(tmp_path / "o.h5"), "--layers", "fc",
+                 "--server", "localhost:1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{bad} is no Parquet table" in err and len(err.splitlines()) == 1, err
+
+
+def test_class_names_that_hold_commas_are_quoted_in_the_models_line():
+    from types import SimpleNamespace
+
+    from hookserve.cli_args import classes_text
+    m = SimpleNamespace(num_classes=4, labels=["cat, tabby", "dog", "x", "y"])
+    assert classes_text(m) == "4 classes ('cat, tabby', dog, x, ...)"

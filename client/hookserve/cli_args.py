@@ -135,7 +135,9 @@ def classes_text(m: Any) -> str:
     """A model's classes as the CLI prints them: the count, and the first names."""
     if not m.labels:
         return f"{m.num_classes} classes"
-    shown = ", ".join(m.labels[:3]) + (", ..." if len(m.labels) > 3 else "")
+    # (a name that holds ", " itself is quoted, so that the list reads one way)
+    shown = ", ".join(repr(n) if "," in n else n for n in m.labels[:3]) + (
+        ", ..." if len(m.labels) > 3 else "")
     return f"{m.num_classes} classes ({shown})"
 
 

@@ -109,7 +109,12 @@ def _table(path: str, column: str) -> list[str]:
         except ImportError as exc:
             raise InputError("reading a Parquet input list needs pyarrow: "
                              "pip install 'hookserve[batch]'") from exc
-        schema = pq.read_schema(path)
+        try:
+            schema = pq.read_schema(path)
+        except (OSError, ValueError) as exc:   # (pyarrow's ArrowInvalid is a ValueError)
+            raise InputError(f"{path} is no Parquet table ({' '.join(str(exc).split())[:160]})"
+                             ": name a Parquet file, or a list with one path a line (.txt)"
+                             ) from None
         if column not in schema.names:
             raise InputError(f"{path}: no column {column!r} (columns: "
                              f"{', '.join(schema.names)}); choose one with --path-column")

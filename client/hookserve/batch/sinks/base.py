@@ -3,6 +3,7 @@ the Sink interface, the metadata check, and the errors a sink raises."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,9 +54,18 @@ def check_meta(existing: dict, meta: dict, where: str) -> None:
     a, b = settings_of(existing), settings_of(meta)
     if a != b:
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        said = "; ".join(f"{k}: it holds {_shown(a.get(k))}, this run asks "
+                         f"{_shown(b.get(k))}" for k in diff[:3])
         raise OutputError(
-            f"{where} was written with different settings ({', '.join(diff)} differ): "
-            "use the same command to resume, or write to a new --out")
+            f"{where} was written with different settings ({said}"
+            + (f"; {len(diff) - 3} more differ" if len(diff) > 3 else "")
+            + "): use the same command to resume, or write to a new --out")
+
+
+def _shown(value) -> str:
+    """A setting's value in a refusal, cut to a readable length."""
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 class Sink:
