@@ -209,3 +209,12 @@ def test_class_names_that_hold_commas_are_quoted_in_the_models_line():
     from hookserve.cli_args import classes_text
     m = SimpleNamespace(num_classes=4, labels=["cat, tabby", "dog", "x", "y"])
     assert classes_text(m) == "4 classes ('cat, tabby', dog, x, ...)"
+
+
+def test_the_default_errors_file_goes_in_the_folder_the_output_makes(server, images,
+                                                                     tmp_path):
+    (images / "bad.png").write_bytes(b"not an image")
+    out = tmp_path / "new" / "sub" / "o.h5"
+    p = run(server, str(images), "--out", str(out))
+    assert p.returncode == 1, p.stderr
+    assert out.is_file() and (out.parent / "o.h5.errors.csv").is_file()

@@ -94,8 +94,8 @@ def read_model_file(path: Path) -> list[ModelEntry]:
     except OSError as exc:
         raise ConfigError(f"cannot read --models {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"--models {path} is not UTF-8 text (byte {exc.start}): save it "
-                          "as UTF-8") from None
+        raise ConfigError(f"--models {path} is no TOML text (byte {exc.start} is not "
+                          "UTF-8): name the models file, saved as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--models {path} is not valid TOML: {exc}") from None
     extra = set(doc) - {"model"}

@@ -38,17 +38,18 @@ def errors_path(args) -> str:
 HEADER = ["path", "code", "message"]
 
 
-def check_errors_path(path: str, out: str) -> None:
+def check_errors_path(path: str, out: str, given: bool = True) -> None:
     """Refuse (:class:`Abort`) an errors file the run must not write: a folder, one in
-    a folder that does not exist, the output itself or a file inside it (or its
-    parts), and an existing file that is no errors file (an input image, say), which
-    writing would destroy. A device or a pipe (``/dev/null``) is written, never
+    a folder that does not exist (when `given` with --errors: the default, beside the
+    output, is in the folder the output makes), the output itself or a file inside it
+    (or its parts), and an existing file that is no errors file (an input image, say),
+    which writing would destroy. A device or a pipe (``/dev/null``) is written, never
     removed."""
     p = os.path.abspath(path)
     flag = f"--errors {path}"
     if os.path.isdir(p):
         raise Abort(f"{flag} is a folder: name a file (the default is OUT.errors.csv)")
-    if not os.path.isdir(os.path.dirname(p)):
+    if given and not os.path.isdir(os.path.dirname(p)):
         raise Abort(f"{flag}: the folder {os.path.dirname(p)} does not exist")
     o = os.path.abspath(out.rstrip("/") or out)
     for held in (o, o + ".parts"):
