@@ -102,6 +102,7 @@ class AttributionJob:
         self.f_x: list[torch.Tensor | None] = [None] * self.n
         self.f_0: list[torch.Tensor | None] = [None] * self.n
         self._gens: list[torch.Generator] = []
+        self._high: list[torch.Generator] = []
         self._sigma: torch.Tensor | None = None
         self._cursor = (0, 0, 0)  # the next row: (slot group, point, image)
         #: passes run so far
@@ -172,7 +173,10 @@ class AttributionJob:
             steps = self.spec.ig_steps
             out.copy_(self.base + (xi - self.base) * ((steps - p) / steps))
         elif self._sg:
-            noise = torch.randn(xi.shape, generator=self._gens[i]) * self._sigma[i]
+            noise = torch.randn(xi.shape, generator=self._gens[i])
+            if self._high:   # two independent draws, summed: the same normal noise
+                noise.add_(torch.randn(xi.shape, generator=self._high[i])).mul_(0.5 ** 0.5)
+            noise.mul_(self._sigma[i])
             out.copy_(xi + noise.to(xi.device, xi.dtype))
         else:
             out.copy_(xi)
@@ -180,7 +184,13 @@ class AttributionJob:
     def _start_noise(self) -> None:
         """Fresh per-image generators seeded with sg_seed, drawn sample by sample: the
         noise is independent of the batch, the passes and the device."""
-        self._gens = [torch.Generator().manual_seed(self.spec.sg_seed) for _ in range(self.n)]
+        # torch's CPU generator is seeded with the seed's low 32 bits alone: the high
+        # ones seed a second draw, so that every 64-bit seed is its own noise (seeds
+        # below 2**32 draw once, as they always did)
+        low, high = self.spec.sg_seed & 0xFFFFFFFF, self.spec.sg_seed >> 32
+        self._gens = [torch.Generator().manual_seed(low) for _ in range(self.n)]
+        self._high = [torch.Generator().manual_seed(high) for _ in range(self.n)] \
+            if high else []
         if self._sigma is None:
             flat = self.x.float().flatten(1)
             self._sigma = ((flat.amax(dim=1) - flat.amin(dim=1)) * self.spec.sg_sigma).cpu()
