@@ -39,7 +39,6 @@ from .base import (
     deadline_of,
     health_request,
     health_status,
-    one_image_options,
 )
 from .extraction import END, PULL, READ, SEND, Extraction, _Pending, advance
 from .types import ModelDescription, ModelInfo, Size, describe_request
@@ -93,8 +92,10 @@ async def _pull(run: Extraction) -> _Pending | None:
             try:
                 obj = await anext(source)
             except StopAsyncIteration:
+                run.source_error = run.leftover()
                 return None
         elif (obj := next(source, _NONE)) is _NONE:
+            run.source_error = run.leftover()
             return None
         return await asyncio.to_thread(run.admit, obj) if _is_path(obj) else run.admit(obj)
     except Exception as exc:  # noqa: BLE001 - the caller's (its images, or ids that ran
@@ -206,7 +207,7 @@ class Client(ClientBase):
                         method: str = "grad_cam", target: int | None = None,
                         model: str | None = None, **options: Any) -> Attribution:
         """One image's saliency map, as :meth:`hookserve.Client.attribute`."""
-        one_image_options("attribute", options)
+        self._attribute_options(options, model)
         results = [a async for a in self.attribute_many(
             [image], layer, method, model=model, targets=[target],
             _deadline=deadline_of(self.timeout), **options)]

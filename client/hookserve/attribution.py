@@ -20,7 +20,7 @@ import numpy as np
 
 from . import errors, wire
 from .endpoints import Endpoints
-from .extraction import Extraction, _Pending
+from .extraction import Extraction, _Pending, per_image
 from .tables import BASELINES, CAM_METHODS, METHODS, SCORES
 from .types import Size, build_preprocessing, check_flag, parse_side, parse_size
 from .v1 import hookserve_pb2 as pb
@@ -251,10 +251,15 @@ class AttributionRun(Extraction):
                  ids: Iterable[str] | None, targets: Iterable[int | None] | None, window: int,
                  deadline: float | None, geometry: Callable[[], Geometry | None]) -> None:
         super().__init__(endpoints, spec, images, ids, window, deadline)  # type: ignore[arg-type]
-        self.targets = iter(targets) if targets is not None else None
+        self._targets_given = targets
+        self.targets = (iter(per_image("targets", targets, "class index (or None)"))
+                        if targets is not None else None)
         self.geometry = geometry
         #: True when `geometry` needs the model's default preprocessing (ListModels)
         self.default_geometry = False
+
+    def _per_image(self) -> list[tuple[str, Any]]:
+        return [*super()._per_image(), ("targets", self._targets_given)]
 
     def _extra(self, index: int) -> int | None:
         """Image `index`'s target: a class index, or None."""

@@ -10,6 +10,8 @@ policy are the same objects for both.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -29,7 +31,7 @@ from .attribution import (
 from .endpoints import Endpoints
 from .extraction import Extraction, ImageCall
 from .retry import FIRST_BACKOFF, RETRIES
-from .types import EXTRACT_OPTIONS, ModelInfo, Size, build_spec
+from .types import EXTRACT_OPTIONS, ModelInfo, Size, build_spec, check_model
 from .v1 import hookserve_pb2 as pb
 from .wire import varint
 
@@ -40,6 +42,9 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 def health_request(service: str) -> bytes:
     """grpc.health.v1.HealthCheckRequest, encoded by hand (the SDK needs no extra
     package for two tiny messages)."""
+    if not isinstance(service, str):
+        raise TypeError(f"service is a service's name (a str; \"\" for the server as a "
+                        f"whole), not {type(service).__name__}: {service!r}"[:200])
     svc = service.encode()
     return (b"\x0a" + varint(len(svc)) + svc) if svc else b""
 
@@ -84,6 +89,27 @@ def one_image_options(call: str, options: dict[str, Any]) -> None:
                             + (" (the client's timeout bounds it: Client(timeout=...), or "
                                f"{call}_many(..., timeout=...))" if name == "timeout"
                                else f" ({call}_many takes it)"))
+
+
+def refuse_unknown(call: str, unknown: dict[str, Any], known: Sequence[str],
+                   hints: dict[str, str] | None = None) -> None:
+    """A keyword argument `call` does not take, as a TypeError that names its options
+    (and the one likely meant), not Python's bare one."""
+    if not unknown:
+        return
+    name = sorted(unknown)[0]
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = (hints or {}).get(name) or (f" (did you mean {near[0]}?)" if near else "")
+    raise TypeError(f"{call}() got an unexpected keyword argument {name!r}{hint}: its "
+                    f"options are {', '.join(known)}")
+
+
+def options_of(fn: Any, *leave: str) -> tuple[str, ...]:
+    """The keyword options of a method: its parameters but the images and private ones
+    (and `leave`)."""
+    return tuple(p for p in inspect.signature(fn).parameters
+                 if p not in ("self", "images", "image", "unknown", *leave)
+                 and not p.startswith("_"))
 
 
 def check_window(n: Any, what: str = "max_in_flight") -> int:
@@ -171,7 +197,8 @@ class ClientBase:
                      dtype: str = "float32", l2_normalize: bool = False,
                      native: bool = False, resize: int | str | None = None,
                      crop: Size | None = None, max_in_flight: int | None = None,
-                     timeout: float | None = None, _deadline: float | None = None) -> Any:
+                     timeout: float | None = None, _deadline: float | None = None,
+                     **unknown: Any) -> Any:
         """Stream images through one call; yield one :class:`Result` per image, in order.
 
         `images` is consumed lazily, with at most `max_in_flight` images sent and not
@@ -200,6 +227,8 @@ class ClientBase:
         `timeout`: seconds for the whole stream, re-sends included (None: no limit;
         the client's `timeout` is for single calls).
         """
+        refuse_unknown("extract_many", unknown, options_of(ClientBase.extract_many))
+        check_model(model)
         spec = build_spec(layers, model, reduction=reduction, dtype=dtype,
                           l2_normalize=l2_normalize, native=native, resize=resize, crop=crop)
         window = (self.max_in_flight if max_in_flight is None
@@ -217,7 +246,8 @@ class ClientBase:
                        samples: int = 0, sigma: float = 0.0, seed: int = 0,
                        native: bool = False, resize: int | str | None = None,
                        crop: Size | None = None, max_in_flight: int | None = None,
-                       timeout: float | None = None, _deadline: float | None = None) -> Any:
+                       timeout: float | None = None, _deadline: float | None = None,
+                       **unknown: Any) -> Any:
         """Saliency maps of many images on one Attribute stream, one
         :class:`~hookserve.Attribution` per image, in order; lazy, windowed, with
         per-image errors, failover and `timeout` exactly as :meth:`extract_many`.
@@ -234,6 +264,9 @@ class ClientBase:
         The server refuses a request costing more forward-equivalents per image than
         its ``--max-attribution-cost`` (see docs/attribution.md).
         """
+        refuse_unknown("attribute_many", unknown, options_of(ClientBase.attribute_many),
+                       {"target": " (one class per image: targets=[...])"})
+        check_model(model)
         spec = build_attribution_spec(
             layer, method, model, score=score, top_k=top_k, relu=relu, normalize=normalize,
             upsample=upsample, steps=steps, baseline=baseline, samples=samples, sigma=sigma,
@@ -249,6 +282,16 @@ class ClientBase:
         run.default_geometry = geometry is None
         return self._drive(run)
 
+    def _attribute_options(self, options: dict[str, Any], model: Any) -> None:
+        """attribute()'s own check of its options: those of attribute_many but the
+        stream's, named as attribute's."""
+        one_image_options("attribute", options)
+        known = options_of(ClientBase.attribute_many, "targets", "ids", "max_in_flight",
+                           "timeout")
+        refuse_unknown("attribute", {k: v for k, v in options.items() if k not in known},
+                       known, {"targets": " (one image's class is target=)"})
+        check_model(model)
+
     # -- pieces of the one-shot calls -------------------------------------------------
     def _health_check(self) -> Any:
         """grpc.health.v1 Check on the first address, as raw bytes both ways."""
@@ -260,10 +303,9 @@ class ClientBase:
         """One image's ExtractImage call; None once a server answered that it has no
         such RPC (it predates it: the one-image calls use a stream from then on)."""
         one_image_options("extract", options)
-        unknown = sorted(set(options) - set(EXTRACT_OPTIONS))
-        if unknown:
-            raise TypeError(f"extract() got an unexpected keyword argument {unknown[0]!r}: "
-                            f"its options are {', '.join(EXTRACT_OPTIONS)}")
+        refuse_unknown("extract", {k: v for k, v in options.items()
+                                   if k not in EXTRACT_OPTIONS}, EXTRACT_OPTIONS)
+        check_model(model)
         if not self._image_rpc:
             return None
         return ImageCall(self._endpoints, build_spec(layers, model, **options), image,

@@ -27,7 +27,6 @@ from .base import (
     deadline_of,
     health_request,
     health_status,
-    one_image_options,
 )
 from .extraction import Extraction
 from .retry import RETRYABLE
@@ -135,7 +134,7 @@ class Client(ClientBase):
         `target` is the class to explain (default: the predicted one). `options` are
         those of :meth:`attribute_many`. The client's `timeout` bounds the call.
         """
-        one_image_options("attribute", options)
+        self._attribute_options(options, model)
         (a,) = self.attribute_many([image], layer, method, model=model, targets=[target],
                                    _deadline=deadline_of(self.timeout), **options)
         return a.raise_for_error()

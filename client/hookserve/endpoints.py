@@ -266,6 +266,9 @@ class Endpoints:
             self.send_limit, self.send_limit_own = found
             return 0.0
         code = exc.code()
+        if self.closed and code == grpc.StatusCode.CANCELLED:   # (as the asyncio client)
+            raise errors.Cancelled("the client was closed while this call ran",
+                                   grpc.StatusCode.CANCELLED) from None
         if code not in RETRYABLE:
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and len(self.addresses) > 1:
                 with self._lock:   # a hung server: the next calls go elsewhere a while

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import queue
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +74,8 @@ class Extraction:
         self.images = images
         self.source: Iterator[Any] | None = None
         self.spec = spec
-        self.ids = iter(ids) if ids is not None else None
+        self._ids_given = ids
+        self.ids = iter(per_image("ids", ids, "str")) if ids is not None else None
         self.window = window
         self.deadline = deadline
         self.pending: collections.deque[_Pending] = collections.deque()
@@ -149,6 +150,19 @@ class Extraction:
         self._hold_if_too_large(p)
         return p
 
+    def leftover(self) -> ValueError | None:
+        """Once the images ran out: a list given per image (ids, targets) that was
+        longer than the images (a misaligned list), as the error raised after the
+        answered results. An iterator of unknown length is not counted."""
+        for name, given in self._per_image():
+            if isinstance(given, Sized) and len(given) > self.next_index:
+                return ValueError(f"{name} has {len(given)} items but there were "
+                                  f"{self.next_index} images: give one per image")
+        return None
+
+    def _per_image(self) -> list[tuple[str, Any]]:
+        return [("ids", self._ids_given)]
+
     def _hold_if_too_large(self, p: _Pending) -> None:
         """Fail an image whose request is over the server's size limit here (once
         the limit is known): sent, it would end the whole stream."""
@@ -168,6 +182,7 @@ class Extraction:
             obj = next(self.source)
             return self.admit(obj)
         except StopIteration:
+            self.source_error = self.leftover()
             return None
         except Exception as exc:  # noqa: BLE001 - the caller's (its images, or ids that
             self.source_error = exc   # ran out); raised after the answered results
@@ -306,6 +321,15 @@ class ImageCall:
         for msg in self.open(stub):
             self.take(msg)
         return self.features()
+
+
+def per_image(name: str, values: Any, kind: str) -> Any:
+    """A list given one item per image (ids, targets), checked to be one: a lone str,
+    number or non-iterable is refused (a str would give each character to an image)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} takes one {kind} per image (a list, say); got one "
+                        f"{type(values).__name__}: {values!r}"[:300])
+    return values
 
 
 def unreadable(image_id: str, exc: Exception) -> errors.HookserveError:

@@ -305,9 +305,17 @@ def build_preprocessing(*, native: bool = False, resize: int | str | None = None
                             crop_height=ch, crop_width=cw)
 
 
+def check_model(model: Any) -> None:
+    """A model argument is a served model's name (or None: the server's default)."""
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"model is a model's name (a str, as list_models() gives them), "
+                        f"not {type(model).__name__}: {model!r}"[:200])
+
+
 def describe_request(model: str | None, size: Size | None) -> pb.DescribeModelRequest:
     """DescribeModel's request: `size` as :func:`parse_size` takes it (None: the model's
     default input size)."""
+    check_model(model)
     h, w = parse_size(size) if size is not None else (0, 0)
     return pb.DescribeModelRequest(model=model or "", input_height=h, input_width=w)
 
