@@ -69,6 +69,19 @@ def test_an_errors_path_the_run_must_not_write_is_refused_and_left_as_it_was(
         assert not target.parent.exists()
 
 
+def test_an_errors_file_of_the_users_in_a_folder_output_and_an_earlier_one_as_input(
+        server, images, tmp_path):
+    (images / "bad.png").write_bytes(b"not an image")
+    out = tmp_path / "o"
+    p = run(server, str(images), "--out", str(out), "--errors", str(out / "errors.csv"))
+    assert p.returncode == 1, p.stderr   # beside the folder output's own files: written
+    assert (out / "errors.csv").is_file() and (out / "index.jsonl").is_file()
+    errs = str(out) + ".errors.csv"      # an earlier run's errors listed again as input
+    assert run(server, str(images), "--out", str(out)).returncode == 1
+    p = run(server, errs, "--out", str(out))
+    assert p.returncode == 2 and "is an input of this run" in p.stderr, p.stderr
+
+
 def test_an_errors_file_of_an_earlier_run_is_rewritten_and_a_device_kept(
         server, images, tmp_path):
     (images / "bad.png").write_bytes(b"not an image")
@@ -153,17 +166,19 @@ def test_a_damaged_line_of_a_folder_outputs_index_is_named(server, images, tmp_p
     assert "remove that line" in err and len(err.splitlines()) == 1, err
 
 
-def _file_size_limit(limit: int):
-    def apply() -> None:   # (in the child: a full disk, for that process's files alone)
-        import resource
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return apply
+#: `python -m hookserve.cli` with a file size limit (a full disk, for that process's
+#: files alone), set after the fork in a process of its own: no preexec_fn in a test
+#: process whose gRPC threads a fork could deadlock.
+LIMITED = ("import os, resource, sys; n = int(sys.argv[1]); "
+           "resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+           "os.execv(sys.executable, [sys.executable, '-m', 'hookserve.cli', *sys.argv[2:]])")
 
 
 @pytest.mark.parametrize("fmt, limit, extra", [
     ("h5", 60 << 10, []),                         # the journal fills up
     ("h5", 300 << 10, ["--checkpoint", "32"]),    # the parts fit, the whole file does not
     ("parquet", 60 << 10, []),
+    ("npy", 12 << 10, []),                        # the folder output's index fills up
 ])
 def test_a_full_disk_is_one_line_and_the_next_run_loses_nothing(server, tmp_path, fmt,
                                                                  limit, extra):
@@ -171,26 +186,31 @@ def test_a_full_disk_is_one_line_and_the_next_run_loses_nothing(server, tmp_path
     root.mkdir()
     for i in range(60):
         (root / f"{i:02d}.png").write_bytes(_png(i))
-    out = tmp_path / f"o.{fmt}"
-    argv = [sys.executable, "-m", "hookserve.cli", "batch", str(root), "--out", str(out),
-            "--server", server.address, *OPTS[:-1], "layer4:avg,fc", *extra]
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                       preexec_fn=_file_size_limit(limit))
-    assert p.returncode == 2, p.stderr
-    err = p.stderr.strip()
-    assert f"cannot write {out}: File too large: free space" in err, err
-    assert len(err.splitlines()) == 1, err
+    out = tmp_path / (f"o.{fmt}" if fmt != "npy" else "o")
+    argv = ["batch", str(root), "--out", str(out), "--server", server.address, *OPTS[:-1],
+            "layer4:avg,fc", *extra]
+    for _ in range(2):   # the run, and a rerun on a disk still full
+        p = subprocess.run([sys.executable, "-c", LIMITED, str(limit), *argv],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        err = p.stderr.strip()
+        assert f"cannot write {out}: File too large: free space" in err, err
+        assert len(err.splitlines()) == 1, err
     assert not (tmp_path / f".tmp-o.{fmt}").exists()
-    assert not (tmp_path / f"o.{fmt}.errors.csv").exists()   # nothing failed
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert not (tmp_path / f"{out.name}.errors.csv").exists()   # nothing failed
+    again = subprocess.run([sys.executable, "-m", "hookserve.cli", *argv],
+                           capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     if fmt == "h5":
         import h5py
         with h5py.File(out) as f:
             paths = [p.decode() for p in f["paths"][:]]
-    else:
+    elif fmt == "parquet":
         import pyarrow.parquet as pq
         paths = pq.read_table(out, columns=["path"]).column("path").to_pylist()
+    else:
+        with open(out / "index.jsonl") as fh:
+            paths = [json.loads(line)["path"] for line in fh]
     assert sorted(paths) == sorted(str(root / f"{i:02d}.png") for i in range(60))
 
 

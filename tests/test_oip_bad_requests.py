@@ -123,6 +123,7 @@ BAD_BODIES = [  # (body, words the 400's message must hold)
      "resize=' 64 ': use an integer"),
     (with_good(parameters={"mode": "resize_crop", "resize": "\uff16\uff14"}),
      "use an integer"),
+    (with_good(parameters={"mode": "resize_crop", "resize": "9" * 5000}), "use an integer"),
 ]
 
 

@@ -18,9 +18,26 @@ from .sharded_run import run_sharded
 from .sinks import OutputError
 
 
+def _hdf5_teardown(exc: BaseException | None) -> bool:
+    """Whether `exc` is the HDF5 library's complaint as it frees an object of a file
+    whose write failed (h5py prints it through both of sys's hooks; the run reports
+    that failure itself, in one line)."""
+    return isinstance(exc, RuntimeError) and "decrement id ref count" in str(exc)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `hookserve batch` as `args` say; returns the exit code."""
     return_freed_inputs()
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+    sys.unraisablehook = lambda u: None if _hdf5_teardown(u.exc_value) else unraisable(u)
+    sys.excepthook = lambda t, v, tb: None if _hdf5_teardown(v) else excepthook(t, v, tb)
+    try:
+        return _run(args)
+    finally:
+        sys.unraisablehook, sys.excepthook = unraisable, excepthook
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         check_flags(args)
         return run_sharded(args) if wants_shards(args) else run_local(args)

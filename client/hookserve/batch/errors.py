@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Sequence
 
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1
@@ -36,32 +37,49 @@ def errors_path(args) -> str:
 
 #: The errors file's first line.
 HEADER = ["path", "code", "message"]
+#: The files a folder output holds besides its layers' folders.
+FOLDER_FILES = ("index.jsonl", "hookserve.json", ".lock")
 
 
-def check_errors_path(path: str, out: str, given: bool = True) -> None:
+def check_errors_path(path: str, out: str, given: bool = True,
+                      inputs: Sequence[str] = ()) -> None:
     """Refuse (:class:`Abort`) an errors file the run must not write: a folder, one in
     a folder that does not exist (when `given` with --errors: the default, beside the
     output, is in the folder the output makes), the output itself or a file inside it
-    (or its parts), and an existing file that is no errors file (an input image, say),
-    which writing would destroy. A device or a pipe (``/dev/null``) is written, never
-    removed."""
+    (or its parts; in a folder output, the files the run writes there), an input named
+    on the command line (an earlier run's errors file, listed again), and an existing
+    file that is no errors file (an input image, say), which writing would destroy.
+    A device or a pipe (``/dev/null``) is written, never removed."""
     p = os.path.abspath(path)
     flag = f"--errors {path}"
     if os.path.isdir(p):
         raise Abort(f"{flag} is a folder: name a file (the default is OUT.errors.csv)")
-    if given and not os.path.isdir(os.path.dirname(p)):
-        raise Abort(f"{flag}: the folder {os.path.dirname(p)} does not exist")
     o = os.path.abspath(out.rstrip("/") or out)
-    for held in (o, o + ".parts"):
-        if p == held or p.startswith(held + os.sep):
-            raise Abort(f"{flag} is {'the output' if p == o else 'inside the output'} "
-                        f"(--out {out}): name a file outside it")
+    if given and not os.path.isdir(os.path.dirname(p)) and not p.startswith(o + os.sep):
+        raise Abort(f"{flag}: the folder {os.path.dirname(p)} does not exist")
+    from .sinks import format_of
+    from .sinks.npy import TMP_DIR
+
+    # a file output, and its parts; in a folder output, the files the run writes (a
+    # file of the user's own there is not touched: an errors file may sit beside them)
+    if format_of(out) != "npy":
+        inside = p.startswith((o + os.sep, o + ".parts" + os.sep))
+    else:
+        inside = p.startswith(os.path.join(o, TMP_DIR) + os.sep) or p in {
+            os.path.join(o, n) for n in FOLDER_FILES}
+    if p in (o, o + ".parts") or inside:
+        raise Abort(f"{flag} is {'the output' if p == o else 'inside the output'} "
+                    f"(--out {out}): name a file outside it")
+    if any(os.path.abspath(i) == p for i in inputs):   # (a list of an earlier run's errors)
+        raise Abort(f"{flag} is an input of this run: name another errors file")
     if os.path.isfile(p) and os.path.getsize(p) > 0:
         try:
             with open(p, newline="", encoding="utf-8") as fh:
                 first = next(csv.reader([fh.readline()]), [])
-        except (OSError, UnicodeDecodeError):
+        except UnicodeDecodeError:
             first = []
+        except OSError as exc:
+            raise Abort(f"cannot read {flag}: {exc.strerror}") from None
         if first != HEADER:
             raise Abort(f"{flag} exists and is no errors file of hookserve batch (it does "
                         "not start with path,code,message): writing it would destroy it; "

@@ -112,6 +112,8 @@ def _table(path: str, column: str) -> list[str]:
         try:
             schema = pq.read_schema(path)
         except (OSError, ValueError) as exc:   # (pyarrow's ArrowInvalid is a ValueError)
+            if isinstance(exc, OSError) and exc.strerror:   # (unreadable, not a table)
+                raise InputError(f"cannot read {path}: {exc.strerror}") from None
             raise InputError(f"{path} is no Parquet table ({' '.join(str(exc).split())[:160]})"
                              ": name a Parquet file, or a list with one path a line (.txt)"
                              ) from None

@@ -46,7 +46,7 @@ from .limits import Cap
 from .progress import Progress
 from .readers import is_tar
 from .scheduler import Item, Scheduler, Streams
-from .sinks import OutputError, Record, ShapeMismatch, Sink, make_sink, peek_done
+from .sinks import Record, ShapeMismatch, Sink, make_sink, peek_done
 from .spec import connect, describe_and_check, parse_layers
 from .streamcall import weights_of
 
@@ -117,7 +117,8 @@ def run_local(args: argparse.Namespace) -> int:
 
     if args.dry_run:
         return _dry_run(args, paths)
-    check_errors_path(errors_path(args), args.out, given=args.errors is not None)
+    check_errors_path(errors_path(args), args.out, given=args.errors is not None,
+                      inputs=args.inputs)
     if not paths and unlisted:
         raise Abort(f"cannot list {unlisted[0][0]}: {unlisted[0][2]}: no input images "
                     "found")
@@ -128,13 +129,11 @@ def run_local(args: argparse.Namespace) -> int:
 
     with connect(args) as client:
         meta, opts, cap = describe_and_check(args, client, layers)
-        try:
-            sink = make_sink(args.out, meta, checkpoint=args.checkpoint,
-                             checkpoint_secs=args.checkpoint_secs,
-                             consolidate=args.consolidate)
-            sink.open()
-        except OutputError as exc:
-            raise Abort(str(exc)) from None
+        # (an OutputError goes up as it is: `batch.command.run` reports it in one line,
+        # and ends the process at once when the output's file cannot be torn down)
+        sink = make_sink(args.out, meta, checkpoint=args.checkpoint,
+                         checkpoint_secs=args.checkpoint_secs, consolidate=args.consolidate)
+        sink.open()
         done = sink.done()
         work, failures, skipped = plan(paths, done, cap)
         if shard is None:

@@ -166,13 +166,15 @@ def _bool(value, what: str) -> bool:
 
 
 def as_int(value, what: str) -> int:
-    """An integer parameter, given as one or as a string of digits (an optional sign;
-    no spaces or underscores, which Python's int() would take)."""
+    """An integer parameter, given as one or as a string of at most 30 ASCII digits
+    after an optional sign (no spaces or underscores, which Python's int() would take,
+    nor thousands of digits, which it refuses)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidArgument(f"{what}={shown(value)}: use an integer")
-    if isinstance(value, str) and not value.removeprefix("-").isdigit() \
-            or isinstance(value, str) and not value.isascii():
-        raise InvalidArgument(f"{what}={shown(value)}: use an integer")
+    if isinstance(value, str):
+        digits = value[1:] if value[:1] in "+-" else value
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 30):
+            raise InvalidArgument(f"{what}={shown(value)}: use an integer")
     return int(value)
 
 

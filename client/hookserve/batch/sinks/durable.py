@@ -25,6 +25,7 @@ folder).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -40,6 +41,28 @@ from .base import OutputError, Record, Sink, check_meta
 
 #: Buffered feature bytes that force a checkpoint, whatever --checkpoint says.
 CHECKPOINT_BYTES = 256 << 20
+
+
+#: What a full disk or a size limit reports: freeing space is what to do.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+def write_failed(out: str, exc: BaseException) -> OutputError:
+    """A failed write to output `out` as the one line that stops the run: what failed,
+    and what to do (the HDF5 library reports the errno in its RuntimeError's text)."""
+    text = str(exc)
+    code = exc.errno if isinstance(exc, OSError) else None
+    # (HDF5: "errno = 27, error message = '...'"; Arrow: "[errno 27] File too large")
+    said = (re.search(r"errno = (\d+), error message = '([^']+)'", text)
+            or re.search(r"\[errno (\d+)\] ([^\n;]+)", text))
+    if said:   # (the system's own words, not the library's around them)
+        code, why = int(said.group(1)), said.group(2).strip()
+    else:
+        why = (exc.strerror if isinstance(exc, OSError) and exc.strerror
+               else " ".join(text.split())[:200])
+    fix = "free space (or lift the limit)" if code in _NO_ROOM else "fix that"
+    return OutputError(f"cannot write {out}: {why}: {fix} and run the same command again; "
+                       "the images written so far are kept")
 
 
 def fsync_dir(path: str) -> None:
@@ -175,6 +198,9 @@ class PartSink(Sink):
         self.broken: OutputError | None = None
 
     # subclass hooks
+    #: Whether a failed write leaves a file the process cannot tear down (HDF5's)
+    unsafe_teardown = False
+
     def _write_part(self, tmp: str, recs: list[Record]) -> None:
         raise NotImplementedError
 
@@ -230,11 +256,13 @@ class PartSink(Sink):
                 self.check_shapes(r)
                 self._done[r.path] = (r.size, r.mtime_ns, r.sha256)
             if recs:
-                self._commit(recs, n)
+                with self._writing():   # (a rerun on a disk still full: one line)
+                    self._commit(recs, n)
             os.unlink(jpath)
             self.seq = max(self.seq, n + 1)
-        write_json_atomic(meta_path, self.meta)
-        self._published()
+        with self._writing():
+            write_json_atomic(meta_path, self.meta)
+            self._published()
 
     def _adopt_shapes(self, shapes: dict, where: str) -> None:
         for layer, sd in shapes.items():
@@ -273,7 +301,8 @@ class PartSink(Sink):
             os.unlink(os.path.join(self.dir, f".journal-{n:06d}.bin"))
         self.seq = n + 1
         self.buffer, self.buffer_bytes, self.since = [], 0, time.monotonic()
-        self._published()
+        with self._writing():
+            self._published()
 
     def _commit(self, recs: list[Record], n: int) -> None:
         name = f"part-{n:06d}.{self.ext}"
@@ -300,15 +329,10 @@ class PartSink(Sink):
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError) and "errno" not in str(exc):
                 raise
-            found = re.search(r"error message = '([^']+)'", str(exc))
-            why = (exc.strerror if isinstance(exc, OSError) and exc.strerror
-                   else found.group(1) if found else " ".join(str(exc).split())[:200])
-            self.broken = OutputError(
-                f"cannot write {self.out}: {why}: free space (or lift the limit) and run "
-                "the same command again; the images written so far are kept")
+            self.broken = write_failed(self.out, exc)
             # an HDF5 file whose write failed cannot be closed cleanly: the process
             # ends without tearing it down (`batch.command.run`)
-            self.broken.exit_now = isinstance(exc, RuntimeError)   # type: ignore[attr-defined]
+            self.broken.exit_now = self.unsafe_teardown   # type: ignore[attr-defined]
             raise self.broken from None
 
     def _finished(self, complete: bool) -> None:

@@ -20,6 +20,9 @@ import numpy as np
 from .base import OutputError, Record, check_meta, need
 from .durable import PartSink, fsync_dir, replace
 
+#: HDF5 files whose write failed, kept from being freed until the process ends.
+_FAILED: list = []
+
 
 class H5Sink(PartSink):
     """One HDF5 file: a dataset per layer [N, ...], plus paths, sha256, size, mtime_ns."""
@@ -68,9 +71,24 @@ class H5Sink(PartSink):
                                   "batch: move it away or choose another --out")
         super().open()
 
+    unsafe_teardown = True   # (an HDF5 file whose write failed crashes at its close)
+
     def _write_part(self, tmp: str, recs: list[Record]) -> None:
-        with self.h5py.File(tmp, "w") as f:
+        with self._new_file(tmp) as f:
             self._fill(f, recs)
+
+    @contextlib.contextmanager
+    def _new_file(self, tmp: str):
+        """An HDF5 file written whole; one whose write failed is never closed nor freed
+        (the library would write again, fail, and crash the process as it frees it):
+        the run stops (`batch.command.run`), and the next one removes it."""
+        f = self.h5py.File(tmp, "w")
+        try:
+            yield f
+        except BaseException:
+            _FAILED.append(f)
+            raise
+        f.close()
 
     def _attrs(self, f, layout: str) -> None:
         f.attrs["hookserve"] = json.dumps(self.meta)
@@ -131,7 +149,17 @@ class H5Sink(PartSink):
         fields = [("paths", h5py.string_dtype(), ()), ("sha256", np.dtype("S64"), ()),
                   ("size", np.dtype(np.int64), ()), ("mtime_ns", np.dtype(np.int64), ())]
         fields += [(k, np.dtype(dt), shape) for k, (shape, dt) in self.shapes.items()]
-        with h5py.File(tmp, "w") as f:
+        try:
+            self._write_virtual(tmp, fields, total, rel)
+        except BaseException:   # (a full disk: the next run writes it again)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        replace(tmp, self.out)
+
+    def _write_virtual(self, tmp: str, fields: list, total: int, rel: str) -> None:
+        h5py = self.h5py
+        with self._new_file(tmp) as f:
             self._attrs(f, "virtual")
             f.attrs["parts"] = rel
             for name, dt, shape in fields:
@@ -146,7 +174,6 @@ class H5Sink(PartSink):
                 ds = f.create_virtual_dataset(name, lay)
                 if name in self.shapes:
                     self._layer_attrs(ds, name)
-        replace(tmp, self.out)
 
     def _finished(self, complete: bool) -> None:
         if complete and self.consolidate:
@@ -168,7 +195,7 @@ class H5Sink(PartSink):
     def _copy_parts(self, tmp: str) -> None:
         h5py = self.h5py
         total = sum(n for _, n in self.parts)
-        with h5py.File(tmp, "w") as f:
+        with self._new_file(tmp) as f:
             self._attrs(f, "single")
             sources = [h5py.File(os.path.join(self.dir, p), "r") for p, _ in self.parts]
             try:

@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 
 from .base import OutputError, Record, ShapeMismatch, Sink
-from .durable import Lock, lock_and_check, write_json_atomic
+from .durable import Lock, lock_and_check, write_failed, write_json_atomic
 
 _TMP = itertools.count()  # this process's temporary names
 #: The folder of temporary files inside the output (no layer is named so: layer names
@@ -38,6 +38,8 @@ class NpySink(Sink):
         self.names: dict[str, str] = {}
         #: the temporary files of the image being written (emptied when a run opens)
         self.tmp_dir = os.path.join(out, TMP_DIR)
+        #: a write that failed (a full disk): the run stops
+        self.broken: OutputError | None = None
 
     def open(self) -> None:
         if os.path.isfile(self.out):
@@ -92,10 +94,8 @@ class NpySink(Sink):
             except OSError as exc:
                 self._undo(tmp, files)
                 if exc.errno not in _NAME_ERRORS:   # (a full disk stops the run)
-                    raise OutputError(f"cannot write {self.out}: {exc.strerror or exc}: "
-                                      "free space (or lift the limit) and run the same "
-                                      "command again; the images written so far are "
-                                      "kept") from None
+                    self.broken = write_failed(self.out, exc)
+                    raise self.broken from None
                 raise ShapeMismatch(
                     f"cannot store its answer as {rel} in {self.out}: {exc.strerror}: "
                     "write these inputs to a .parquet or .h5 output, which keep each path "
@@ -103,8 +103,13 @@ class NpySink(Sink):
             files[layer] = rel
         line = json.dumps({"path": rec.path, "sha256": rec.sha256, "size": rec.size,
                            "mtime_ns": rec.mtime_ns, "name": name, "files": files})
-        self.index.write(line.encode() + b"\n")  # the commit: one write, one line
-        self.index.flush()
+        try:
+            self.index.write(line.encode() + b"\n")  # the commit: one write, one line
+            self.index.flush()
+        except OSError as exc:   # (a torn last line is dropped by the next run)
+            self._undo("", files)
+            self.broken = write_failed(self.out, exc)
+            raise self.broken from None
         self.names[name] = rec.path
         self._done[rec.path] = (rec.size, rec.mtime_ns, rec.sha256)
 
@@ -117,9 +122,16 @@ class NpySink(Sink):
 
     def close(self, complete: bool) -> None:
         if self.index is not None:
-            self.index.flush()
-            os.fsync(self.index.fileno())
-            self.index.close()
+            try:
+                self.index.flush()
+                os.fsync(self.index.fileno())
+            except OSError as exc:
+                if self.broken is None:
+                    self.broken = write_failed(self.out, exc)
+                    raise self.broken from None
+            finally:
+                with contextlib.suppress(OSError):   # (its buffer is lost: a torn line)
+                    self.index.close()
         if self.lock is not None:   # (only the run holding the lock touches .tmp/)
             with contextlib.suppress(OSError):
                 os.rmdir(self.tmp_dir)
