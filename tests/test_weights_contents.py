@@ -85,6 +85,8 @@ def test_a_state_dict_nested_more_than_once_loads(tmp_path, nest):
     held: object = sd
     for key in reversed(nest):
         held = {key: held, "epoch": 3}
+    # an EMA beside it, one level down: the plain weights are still the ones served
+    held["model_ema"] = {k: torch.zeros_like(v) for k, v in sd.items()}
     torch.save(held, tmp_path / "w.pt")
     model, info = build_model("resnet18", str(tmp_path / "w.pt"))
     assert info.num_classes == CLASSES

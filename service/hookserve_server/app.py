@@ -119,11 +119,6 @@ def build(args: argparse.Namespace, pre: Checked | None = None):
         labels = model_labels(name, e.arch, info.source, info.num_classes, e.labels,
                               args.models if args.models and e.labels else "")
         cl = channels_last(args.memory_format, args.channels_last, e.arch, dev)
-        for key, side in (("resize", e.resize), ("crop", max(e.crop or (0,)))):
-            if side and side > args.max_input_side:   # (the file's own value, not a default)
-                raise ConfigError(f"model {name} in {args.models}: preprocessing.{key} = "
-                                  f"{side} is over --max-input-side {args.max_input_side}: "
-                                  "lower it, or raise --max-input-side")
         defaults = e.preprocessing_over(defaults_for(e.arch))
         try:
             models.append(ServedModel(name, e.arch, module, info, dev, dtype, cl, labels,

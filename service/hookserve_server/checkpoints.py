@@ -111,9 +111,11 @@ def normalise(obj: object, path: Path, keys: Collection[str] = (),
     for _ in range(3):   # ({"state_dict": {"model": ...}}: nested more than once)
         if not isinstance(obj, dict) or _is_tensor_dict(obj):
             break
-        inner = next((obj[k] for k in NESTED_KEYS if _is_tensor_dict(obj.get(k))), None) \
-            or next((obj[k] for k in NESTED_KEYS if isinstance(obj.get(k), dict)
-                     and any(j in obj[k] for j in NESTED_KEYS)), None)
+        # (in NESTED_KEYS' order, a nested dict counting as what it nests: plain
+        # weights two levels down come before an EMA one level down)
+        inner = next((obj[k] for k in NESTED_KEYS if _is_tensor_dict(obj.get(k))
+                      or isinstance(obj.get(k), dict)
+                      and any(j in obj[k] for j in NESTED_KEYS)), None)
         if inner is None:
             break
         obj = inner
@@ -383,7 +385,11 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
     except Exception as exc:   # a module's own checks (versions, say)
         raise ConfigError(f"{where} could not be loaded into {arch}: "
                           + " ".join(str(exc).split())) from None
-    bad = next((k for k, t in model.state_dict().items()
+    # the weights and batch norm's statistics: a buffer may hold an infinity on purpose
+    # (an attention mask)
+    weights = [*model.named_parameters(), *((k, b) for k, b in model.named_buffers()
+                                            if k.endswith(("running_mean", "running_var")))]
+    bad = next((k for k, t in weights
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if bad is not None:   # every answer would be NaN
         raise ConfigError(f"{where}: {bad} holds NaN or infinite values (a training run "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,11 @@ def from_flags(names: list[str], weights: dict[str, str], labels: dict[str, Path
     return [ModelEntry(n, n, weights[n], labels.get(n)) for n in names]
 
 
-def read_model_file(path: Path) -> list[ModelEntry]:
-    """The models a `--models` file declares; ConfigError in one line on any mistake."""
+def read_model_file(path: Path, rest: bool = False, max_side: int | None = None
+                    ) -> list[ModelEntry]:
+    """The models a `--models` file declares; ConfigError in one line on any mistake.
+    `rest`: the REST routes are served (--http-port), whose paths cannot carry a '/' in
+    a name; `max_side`: --max-input-side, which the file's resize and crop must fit."""
     import tomllib
 
     try:
@@ -111,7 +115,7 @@ def read_model_file(path: Path) -> list[ModelEntry]:
             raise ConfigError(f"--models {path}: model {i + 1} is {t!r}, not a table: "
                               "declare each model as [[model]] with architecture = "
                               "\"...\" under it"[:400])
-    entries = [_entry(t, i, path) for i, t in enumerate(tables)]
+    entries = [_entry(t, i, path, rest, max_side) for i, t in enumerate(tables)]
     names = [e.name for e in entries]
     for n in names:
         if names.count(n) > 1:
@@ -125,7 +129,8 @@ def read_model_file(path: Path) -> list[ModelEntry]:
     return entries
 
 
-def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
+def _entry(t: dict[str, Any], i: int, path: Path, rest: bool = False,
+           max_side: int | None = None) -> ModelEntry:
     where = f"--models {path}: model {t.get('name') or i + 1}"
     unknown = set(t) - KEYS
     if unknown:
@@ -139,10 +144,11 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
         raise ConfigError(f"{where}: architecture {arch!r} is not a torchvision classifier "
                           "(`hookserve models --available` lists them)")
     name = _string(t.get("name", arch), "name", where)
-    odd = next((c for c in name if c == "/" or not c.isprintable()), None)
+    odd = next((c for c in name if c == "/" and rest or unicodedata.category(c) == "Cc"),
+               None)
     if odd is not None:
-        what = ("which a REST path (/v2/models/<name>) cannot carry" if odd == "/"
-                else "a control character")
+        what = ("which the REST routes (--http-port: /v2/models/<name>) cannot carry"
+                if odd == "/" else "a control character")
         fix = "give it a name without it" if "name" in t else 'give it a name = "..."'
         raise ConfigError(f"{where}: name {name!r} holds {odd!r}, {what}: {fix}")
     weights = _string(t.get("weights", "auto"), "weights", where)
@@ -164,12 +170,18 @@ def _entry(t: dict[str, Any], i: int, path: Path) -> ModelEntry:
     if not isinstance(pre, dict) or set(pre) - PREPROCESSING_KEYS:
         raise ConfigError(f"{where}: preprocessing takes the keys "
                           f"{', '.join(sorted(PREPROCESSING_KEYS))}")
-    return ModelEntry(name, arch, weights, labels, dtype, device, prec, transform,
-                      resize=_side(pre["resize"], "resize", where) if "resize" in pre else None,
-                      crop=_crop(pre["crop"], where) if "crop" in pre else None,
-                      mean=_triple(pre["mean"], "mean", where) if "mean" in pre else None,
-                      std=_triple(pre["std"], "std", where) if "std" in pre else None,
-                      interpolation=_interpolation(pre.get("interpolation"), where))
+    entry = ModelEntry(name, arch, weights, labels, dtype, device, prec, transform,
+                       resize=_side(pre["resize"], "resize", where) if "resize" in pre else None,
+                       crop=_crop(pre["crop"], where) if "crop" in pre else None,
+                       mean=_triple(pre["mean"], "mean", where) if "mean" in pre else None,
+                       std=_triple(pre["std"], "std", where) if "std" in pre else None,
+                       interpolation=_interpolation(pre.get("interpolation"), where))
+    for key, side in (("resize", entry.resize or 0), ("crop", max(entry.crop or (0,)))):
+        if max_side and side > max_side:   # (said before any weights load)
+            raise ConfigError(f"{where}: preprocessing.{key} = {side} is over "
+                              f"--max-input-side {max_side}: lower it, or raise "
+                              "--max-input-side")
+    return entry
 
 
 def _interpolation(value: Any, where: str) -> str | None:

@@ -182,8 +182,8 @@ def preflight(args: argparse.Namespace) -> Checked:
             raise ConfigError(f"--models {args.models} declares every model, with its "
                               f"weights and labels: drop {' and '.join(given)} (or give "
                               "them in the file)")
-    entries = (read_model_file(Path(args.models).expanduser()) if args.models
-               else models_from_flags(args))
+    entries = (read_model_file(Path(args.models).expanduser(), args.http_port is not None,
+                               args.max_input_side) if args.models else models_from_flags(args))
     checked = Checked(
         names=[e.name for e in entries], weights={e.name: e.weights for e in entries},
         host=host,
