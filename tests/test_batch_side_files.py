@@ -238,3 +238,23 @@ def test_the_default_errors_file_goes_in_the_folder_the_output_makes(server, ima
     p = run(server, str(images), "--out", str(out))
     assert p.returncode == 1, p.stderr
     assert out.is_file() and (out.parent / "o.h5.errors.csv").is_file()
+
+
+def test_a_list_naming_tars_is_a_sharded_run_over_their_members(server, images, tmp_path):
+    import tarfile
+    tars = []
+    for t in range(2):
+        path = tmp_path / f"s{t}.tar"
+        with tarfile.open(path, "w") as tf:
+            for i in range(3):
+                tf.add(images / f"{i}.png", arcname=f"{t}-{i}.png")
+        tars.append(path)
+    listing = tmp_path / "tars.txt"
+    listing.write_text("".join(f"{p}\n" for p in tars))
+    out = tmp_path / "o.parquet"
+    p = run(server, str(listing), "--out", str(out))
+    assert p.returncode == 0, p.stderr   # (a local run sent each tar whole: 2 failures)
+    import pyarrow.parquet as pq
+    ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()   # (a sharded run's)
+    assert sorted(i.rsplit("/", 1)[-1] for i in ids) == sorted(
+        f"{t}-{i}.png" for t in range(2) for i in range(3))

@@ -52,20 +52,25 @@ def _run(args: argparse.Namespace) -> int:
 
 def wants_shards(args: argparse.Namespace) -> bool:
     """Whether `args` describe a sharded run: an input is a URL, a tar or a list of
-    URLs, ``--image-column`` is given, ``--out`` is a URL, or ``--sharded``."""
+    URLs or tars, ``--image-column`` is given, ``--out`` is a URL, or ``--sharded``."""
     if getattr(args, "sharded", False) or getattr(args, "image_column", None):
         return True
     if is_url(args.out):
         return True
-    return any(is_url(s) or any((is_tar(x) and not os.path.isdir(x)) or _lists_urls(x, args)
+    return any(is_url(s) or any(_a_tar(x) or _lists_shards(x, args)
                                 for x in expand_braces(s))
                for s in args.inputs)
 
 
-def _lists_urls(path: str, args) -> bool:
-    """A local list or path table with a URL in it."""
+def _a_tar(name: str) -> bool:
+    return is_tar(name) and not os.path.isdir(name)
+
+
+def _lists_shards(path: str, args) -> bool:
+    """A local list or path table with a URL or a tar in it (a local run would send
+    each tar whole, as one image)."""
     try:
         names = listed_paths(path, getattr(args, "path_column", "path"))
     except (OSError, InputError):
         return False  # the local run names the problem
-    return any(is_url(n) for n in names or ())
+    return any(is_url(n) or _a_tar(n) for n in names or ())
