@@ -143,13 +143,16 @@ def test_smooth_grad_is_seeded(server, imgs):
     spec.sg_seed = 12
     other = attribute(server, spec, small[:1])
     assert not np.allclose(ok(other[0])["map"], first[0]["map"])
-    # every bit of the 64-bit seed counts (torch's CPU generator takes the low 32 alone)
+    # every bit of the 64-bit seed counts (torch's CPU generator takes the low 32 alone):
+    # halves swapped or equal too
     maps = []
-    for seed in (11 + 2**32, 11 + 2**63, 2**64 - 1):
+    for seed in (11 + 2**32, 11 + 2**63, 2**64 - 1, (1 << 32) | 2, (2 << 32) | 1,
+                 (7 << 32) | 7):
         spec.sg_seed = seed
         maps.append(ok(attribute(server, spec, small[:1])[0])["map"])
         assert not np.allclose(maps[-1], first[0]["map"]), seed
-    assert not np.allclose(maps[0], maps[1])
+    for j, a in enumerate(maps):
+        assert not any(np.allclose(a, b) for b in maps[j + 1:]), j
     spec.sg_seed = 11 + 2**32   # and stays seeded
     np.testing.assert_allclose(ok(attribute(server, spec, small[:1])[0])["map"], maps[0],
                                **TOL)

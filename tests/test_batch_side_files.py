@@ -69,17 +69,21 @@ def test_an_errors_path_the_run_must_not_write_is_refused_and_left_as_it_was(
         assert not target.parent.exists()
 
 
-def test_an_errors_file_of_the_users_in_a_folder_output_and_an_earlier_one_as_input(
+def test_an_errors_file_in_a_folder_output_and_the_retry_of_an_earlier_ones_images(
         server, images, tmp_path):
     (images / "bad.png").write_bytes(b"not an image")
     out = tmp_path / "o"
     p = run(server, str(images), "--out", str(out), "--errors", str(out / "errors.csv"))
     assert p.returncode == 1, p.stderr   # beside the folder output's own files: written
     assert (out / "errors.csv").is_file() and (out / "index.jsonl").is_file()
-    errs = str(out) + ".errors.csv"      # an earlier run's errors listed again as input
+    # the retry: an earlier run's errors file as the input list, read before it is
+    # written again
+    errs = str(out) + ".errors.csv"
     assert run(server, str(images), "--out", str(out)).returncode == 1
+    (images / "bad.png").write_bytes(_png(7))   # fixed
     p = run(server, errs, "--out", str(out))
-    assert p.returncode == 2 and "is an input of this run" in p.stderr, p.stderr
+    assert p.returncode == 0 and "done 1," in p.stderr, p.stderr
+    assert not os.path.exists(errs)   # nothing failed this time
 
 
 def test_an_errors_file_of_an_earlier_run_is_rewritten_and_a_device_kept(

@@ -131,7 +131,9 @@ def test_a_model_file_serves_three_models_with_their_own_digests(tmp_path):
     ('[[model]]\narchitecture = "resnet18"\nname = "r"\nweights = "random"\ndevice = "gpu"\n',
      "model r: invalid device 'gpu'"),
     ('[[model]]\narchitecture = "resnet18"\nname = "r\\u0007"\nweights = "random"\n',
-     "holds '\\\\x07', a control character: give it a name without it"),
+     "holds '\\\\x07', a control or format character: give it a name without it"),
+    ('[[model]]\narchitecture = "resnet18"\nname = "r\\u202e"\nweights = "random"\n',
+     "a control or format character"),
     ('[[model]]\narchitecture = "resnet18"\nname = "r"\nweights = "random"\n[[model]]\n'
      'architecture = "resnet18"\nname = "r.Grad_Cam"\nweights = "random"\n',
      "model 'r.Grad_Cam' has the name the Open Inference Protocol gives model 'r'"),

@@ -48,6 +48,20 @@ def test_weights_holding_nan_or_infinities_are_refused_by_key(tmp_path, key, val
     assert f"{key} holds NaN or infinite values" in refused(tmp_path / "w.pt")
 
 
+def test_a_nan_in_a_buffer_is_refused_and_an_inf_there_is_not_looked_for(tmp_path):
+    """FrozenBatchNorm2d keeps its weight and bias as buffers: a NaN there is refused
+    (a model's every answer would carry it); a buffer may hold -inf on purpose."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=CLASSES).eval()
+    model.register_buffer("mask", torch.full((4,), float("-inf")))   # persistent
+    from hookserve_server.checkpoints import load_into
+    load_into(model, model.state_dict(), "w", "resnet18")   # -inf in a buffer: loads
+    sd = model.state_dict()
+    sd["mask"] = torch.tensor([0.0, float("nan"), 0.0, 0.0])
+    with pytest.raises(ConfigError, match="mask holds NaN or infinite values"):
+        load_into(model, sd, "w", "resnet18")
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.bool,
                                    torch.complex64])
 def test_weights_of_no_floating_point_type_are_refused_not_cast(tmp_path, dtype):
@@ -87,6 +101,7 @@ def test_a_state_dict_nested_more_than_once_loads(tmp_path, nest):
         held = {key: held, "epoch": 3}
     # an EMA beside it, one level down: the plain weights are still the ones served
     held["model_ema"] = {k: torch.zeros_like(v) for k, v in sd.items()}
+    held["model"] = held.get("model", {"state_dict": {"lr": 0.1}})   # (metadata: no weights)
     torch.save(held, tmp_path / "w.pt")
     model, info = build_model("resnet18", str(tmp_path / "w.pt"))
     assert info.num_classes == CLASSES

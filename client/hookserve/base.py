@@ -286,8 +286,7 @@ class ClientBase:
         """attribute()'s own check of its options: those of attribute_many but the
         stream's, named as attribute's."""
         one_image_options("attribute", options)
-        known = options_of(ClientBase.attribute_many, "targets", "ids", "max_in_flight",
-                           "timeout")
+        known = options_of(ClientBase.attribute_many, "targets", "max_in_flight", "timeout")
         refuse_unknown("attribute", {k: v for k, v in options.items() if k not in known},
                        known, {"targets": " (one image's class is target=)"})
         check_model(model)

@@ -98,6 +98,12 @@ def lone_head(own: Collection[str], outside: dict[str, torch.Tensor],
             **({f"{module}.bias": slot.bias} if bias is not None else {})}
 
 
+def _holds_weights(obj: object, depth: int = 3) -> bool:
+    """A state_dict, or a dict that nests one under NESTED_KEYS (up to `depth` down)."""
+    return _is_tensor_dict(obj) or depth > 0 and isinstance(obj, dict) and any(
+        _holds_weights(obj.get(k), depth - 1) for k in NESTED_KEYS)
+
+
 def _is_tensor_dict(obj: object) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
@@ -111,11 +117,8 @@ def normalise(obj: object, path: Path, keys: Collection[str] = (),
     for _ in range(3):   # ({"state_dict": {"model": ...}}: nested more than once)
         if not isinstance(obj, dict) or _is_tensor_dict(obj):
             break
-        # (in NESTED_KEYS' order, a nested dict counting as what it nests: plain
-        # weights two levels down come before an EMA one level down)
-        inner = next((obj[k] for k in NESTED_KEYS if _is_tensor_dict(obj.get(k))
-                      or isinstance(obj.get(k), dict)
-                      and any(j in obj[k] for j in NESTED_KEYS)), None)
+        # (in NESTED_KEYS' order: plain weights two levels down before an EMA one down)
+        inner = next((obj[k] for k in NESTED_KEYS if _holds_weights(obj.get(k))), None)
         if inner is None:
             break
         obj = inner
@@ -385,12 +388,13 @@ def load_into(model: nn.Module, sd: dict[str, torch.Tensor], where: str, arch: s
     except Exception as exc:   # a module's own checks (versions, say)
         raise ConfigError(f"{where} could not be loaded into {arch}: "
                           + " ".join(str(exc).split())) from None
-    # the weights and batch norm's statistics: a buffer may hold an infinity on purpose
-    # (an attention mask)
-    weights = [*model.named_parameters(), *((k, b) for k, b in model.named_buffers()
-                                            if k.endswith(("running_mean", "running_var")))]
-    bad = next((k for k, t in weights
-                if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    # a NaN anywhere; an infinity in the weights and batch norm's statistics (a buffer
+    # may hold one on purpose: an attention mask's -inf)
+    weights = {k for k, _ in model.named_parameters()} | {
+        k for k, _ in model.named_buffers() if k.endswith(("running_mean", "running_var"))}
+    bad = next((k for k, t in model.state_dict().items() if t.is_floating_point() and (
+        bool(torch.isnan(t).any()) or k in weights and not bool(torch.isfinite(t).all()))),
+        None)
     if bad is not None:   # every answer would be NaN
         raise ConfigError(f"{where}: {bad} holds NaN or infinite values (a training run "
                           "that diverged?): save weights from before that")

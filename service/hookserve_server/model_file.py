@@ -144,11 +144,11 @@ def _entry(t: dict[str, Any], i: int, path: Path, rest: bool = False,
         raise ConfigError(f"{where}: architecture {arch!r} is not a torchvision classifier "
                           "(`hookserve models --available` lists them)")
     name = _string(t.get("name", arch), "name", where)
-    odd = next((c for c in name if c == "/" and rest or unicodedata.category(c) == "Cc"),
-               None)
-    if odd is not None:
+    odd = next((c for c in name if c == "/" and rest
+                or unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if odd is not None:   # (Cf: a format character, as a right-to-left override)
         what = ("which the REST routes (--http-port: /v2/models/<name>) cannot carry"
-                if odd == "/" else "a control character")
+                if odd == "/" else "a control or format character")
         fix = "give it a name without it" if "name" in t else 'give it a name = "..."'
         raise ConfigError(f"{where}: name {name!r} holds {odd!r}, {what}: {fix}")
     weights = _string(t.get("weights", "auto"), "weights", where)

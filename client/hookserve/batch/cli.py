@@ -8,7 +8,7 @@ import sys
 from ..byte_sizes import bytes_arg
 from ..cli_args import add_connection_args, size_arg
 from ..tables import DTYPES, REDUCTIONS
-from .command import run
+from .command import cli_run
 from .defaults import DEFAULTS
 from .errors import (
     EXIT_CANNOT_PROCEED,
@@ -176,5 +176,5 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                         "images sent again after this long without an answer; each read "
                         "of an http(s) input; S3's connect and read timeouts")
     p.error = _one_line_error(p.prog)
-    p.set_defaults(func=run)
+    p.set_defaults(func=cli_run)
     return p

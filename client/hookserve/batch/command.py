@@ -18,35 +18,37 @@ from .sharded_run import run_sharded
 from .sinks import OutputError
 
 
-def _hdf5_teardown(exc: BaseException | None) -> bool:
-    """Whether `exc` is the HDF5 library's complaint as it frees an object of a file
-    whose write failed (h5py prints it through both of sys's hooks; the run reports
-    that failure itself, in one line)."""
-    return isinstance(exc, RuntimeError) and "decrement id ref count" in str(exc)
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run `hookserve batch` as `args` say; returns the exit code."""
-    return_freed_inputs()
-    unraisable, excepthook = sys.unraisablehook, sys.excepthook
-    sys.unraisablehook = lambda u: None if _hdf5_teardown(u.exc_value) else unraisable(u)
-    sys.excepthook = lambda t, v, tb: None if _hdf5_teardown(v) else excepthook(t, v, tb)
-    try:
-        return _run(args)
-    finally:
-        sys.unraisablehook, sys.excepthook = unraisable, excepthook
+    """Run `hookserve batch` as `args` say; returns the exit code. (An .h5 output whose
+    write failed leaves the HDF5 library unable to free that file: its process may then
+    crash as it ends, after the error.)"""
+    return _run(args)
+
+
+def cli_run(args: argparse.Namespace) -> int:
+    """`run` as the command does it: an .h5 output whose write failed ends the process
+    at once, after its one line (with exit code 2), so that nothing frees that file."""
+    code = _run(args)
+    if _exit_now:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+#: Set by `_run` when the output's failure leaves a file the process cannot free.
+_exit_now = False
 
 
 def _run(args: argparse.Namespace) -> int:
+    global _exit_now
+    return_freed_inputs()
     try:
         check_flags(args)
         return run_sharded(args) if wants_shards(args) else run_local(args)
     except (Abort, OutputError) as exc:   # (OutputError: the output failed mid-run)
         print(f"hookserve batch: {exc}", file=sys.stderr)
-        if getattr(exc, "exit_now", False):   # (an HDF5 file left mid-write: tearing its
-            sys.stdout.flush()                  # objects down would crash the process)
-            sys.stderr.flush()
-            os._exit(EXIT_CANNOT_PROCEED)
+        _exit_now = bool(getattr(exc, "exit_now", False))
         return EXIT_CANNOT_PROCEED
 
 
@@ -70,7 +72,8 @@ def _lists_shards(path: str, args) -> bool:
     """A local list or path table with a URL or a tar in it (a local run would send
     each tar whole, as one image)."""
     try:
-        names = listed_paths(path, getattr(args, "path_column", "path"))
+        names = listed_paths(path, getattr(args, "path_column", "path"),
+                             root=getattr(args, "root", None))
     except (OSError, InputError):
         return False  # the local run names the problem
     return any(is_url(n) or _a_tar(n) for n in names or ())

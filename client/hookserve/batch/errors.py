@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Sequence
 
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1
@@ -41,14 +40,14 @@ HEADER = ["path", "code", "message"]
 FOLDER_FILES = ("index.jsonl", "hookserve.json", ".lock")
 
 
-def check_errors_path(path: str, out: str, given: bool = True,
-                      inputs: Sequence[str] = ()) -> None:
+def check_errors_path(path: str, out: str, given: bool = True) -> None:
     """Refuse (:class:`Abort`) an errors file the run must not write: a folder, one in
     a folder that does not exist (when `given` with --errors: the default, beside the
     output, is in the folder the output makes), the output itself or a file inside it
-    (or its parts; in a folder output, the files the run writes there), an input named
-    on the command line (an earlier run's errors file, listed again), and an existing
-    file that is no errors file (an input image, say), which writing would destroy.
+    (or its parts; in a folder output, the files the run writes there), and an existing
+    file that is no errors file (an input image, say), which writing would destroy. An
+    earlier run's errors file given as this run's input list is read before it is
+    written again (the retry: ``hookserve batch OUT.errors.csv --out OUT``).
     A device or a pipe (``/dev/null``) is written, never removed."""
     p = os.path.abspath(path)
     flag = f"--errors {path}"
@@ -70,8 +69,6 @@ def check_errors_path(path: str, out: str, given: bool = True,
     if p in (o, o + ".parts") or inside:
         raise Abort(f"{flag} is {'the output' if p == o else 'inside the output'} "
                     f"(--out {out}): name a file outside it")
-    if any(os.path.abspath(i) == p for i in inputs):   # (a list of an earlier run's errors)
-        raise Abort(f"{flag} is an input of this run: name another errors file")
     if os.path.isfile(p) and os.path.getsize(p) > 0:
         try:
             with open(p, newline="", encoding="utf-8") as fh:

@@ -117,8 +117,7 @@ def run_local(args: argparse.Namespace) -> int:
 
     if args.dry_run:
         return _dry_run(args, paths)
-    check_errors_path(errors_path(args), args.out, given=args.errors is not None,
-                      inputs=args.inputs)
+    check_errors_path(errors_path(args), args.out, given=args.errors is not None)
     if not paths and unlisted:
         raise Abort(f"cannot list {unlisted[0][0]}: {unlisted[0][2]}: no input images "
                     "found")

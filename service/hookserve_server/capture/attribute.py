@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,7 +103,7 @@ class AttributionJob:
         self.f_x: list[torch.Tensor | None] = [None] * self.n
         self.f_0: list[torch.Tensor | None] = [None] * self.n
         self._gens: list[torch.Generator] = []
-        self._high: list[torch.Generator] = []
+        self._wide: list[np.random.Generator] = []
         self._sigma: torch.Tensor | None = None
         self._cursor = (0, 0, 0)  # the next row: (slot group, point, image)
         #: passes run so far
@@ -173,9 +174,11 @@ class AttributionJob:
             steps = self.spec.ig_steps
             out.copy_(self.base + (xi - self.base) * ((steps - p) / steps))
         elif self._sg:
-            noise = torch.randn(xi.shape, generator=self._gens[i])
-            if self._high:   # two independent draws, summed: the same normal noise
-                noise.add_(torch.randn(xi.shape, generator=self._high[i])).mul_(0.5 ** 0.5)
+            if self._wide:   # (a 64-bit seed: numpy's PCG64 takes every bit)
+                noise = torch.from_numpy(self._wide[i].standard_normal(
+                    tuple(xi.shape), dtype=np.float32))
+            else:
+                noise = torch.randn(xi.shape, generator=self._gens[i])
             noise.mul_(self._sigma[i])
             out.copy_(xi + noise.to(xi.device, xi.dtype))
         else:
@@ -184,13 +187,15 @@ class AttributionJob:
     def _start_noise(self) -> None:
         """Fresh per-image generators seeded with sg_seed, drawn sample by sample: the
         noise is independent of the batch, the passes and the device."""
-        # torch's CPU generator is seeded with the seed's low 32 bits alone: the high
-        # ones seed a second draw, so that every 64-bit seed is its own noise (seeds
-        # below 2**32 draw once, as they always did)
-        low, high = self.spec.sg_seed & 0xFFFFFFFF, self.spec.sg_seed >> 32
-        self._gens = [torch.Generator().manual_seed(low) for _ in range(self.n)]
-        self._high = [torch.Generator().manual_seed(high) for _ in range(self.n)] \
-            if high else []
+        # torch's CPU generator is seeded with the seed's low 32 bits alone: a seed of
+        # 2**32 or more draws from numpy's PCG64, seeded with all 64 (seeds below 2**32
+        # draw from torch, as they always did)
+        seed = self.spec.sg_seed
+        if seed >> 32:
+            self._gens, self._wide = [], [np.random.default_rng(seed) for _ in range(self.n)]
+        else:
+            self._gens = [torch.Generator().manual_seed(seed) for _ in range(self.n)]
+            self._wide = []
         if self._sigma is None:
             flat = self.x.float().flatten(1)
             self._sigma = ((flat.amax(dim=1) - flat.amin(dim=1)) * self.spec.sg_sigma).cpu()

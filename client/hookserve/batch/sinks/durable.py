@@ -198,8 +198,8 @@ class PartSink(Sink):
         self.broken: OutputError | None = None
 
     # subclass hooks
-    #: Whether a failed write leaves a file the process cannot tear down (HDF5's)
-    unsafe_teardown = False
+    #: Set once a failed write left a file the process cannot free (HDF5's)
+    unfreeable = False
 
     def _write_part(self, tmp: str, recs: list[Record]) -> None:
         raise NotImplementedError
@@ -330,9 +330,9 @@ class PartSink(Sink):
             if isinstance(exc, RuntimeError) and "errno" not in str(exc):
                 raise
             self.broken = write_failed(self.out, exc)
-            # an HDF5 file whose write failed cannot be closed cleanly: the process
-            # ends without tearing it down (`batch.command.run`)
-            self.broken.exit_now = self.unsafe_teardown   # type: ignore[attr-defined]
+            # an HDF5 file whose write failed cannot be freed: the command ends the
+            # process at once (`batch.command.cli_run`)
+            self.broken.exit_now = self.unfreeable   # type: ignore[attr-defined]
             raise self.broken from None
 
     def _finished(self, complete: bool) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 
@@ -22,6 +23,22 @@ from .durable import PartSink, fsync_dir, replace
 
 #: HDF5 files whose write failed, kept from being freed until the process ends.
 _FAILED: list = []
+
+
+def _quiet_hdf5_frees():
+    """While an HDF5 file is written (and, once its write failed, for good), the
+    library's complaints as it frees the objects of a file whose write failed (h5py
+    prints them through sys.excepthook and sys.unraisablehook) are not printed: the
+    run reports the failure itself, in one line. -> what puts the hooks back."""
+    def ours(exc: BaseException | None) -> bool:
+        return isinstance(exc, RuntimeError) and "decrement id ref count" in str(exc)
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+    sys.unraisablehook = lambda u: None if ours(u.exc_value) else unraisable(u)
+    sys.excepthook = lambda t, v, tb: None if ours(v) else excepthook(t, v, tb)
+
+    def restore() -> None:
+        sys.unraisablehook, sys.excepthook = unraisable, excepthook
+    return restore
 
 
 class H5Sink(PartSink):
@@ -71,8 +88,6 @@ class H5Sink(PartSink):
                                   "batch: move it away or choose another --out")
         super().open()
 
-    unsafe_teardown = True   # (an HDF5 file whose write failed crashes at its close)
-
     def _write_part(self, tmp: str, recs: list[Record]) -> None:
         with self._new_file(tmp) as f:
             self._fill(f, recs)
@@ -82,13 +97,16 @@ class H5Sink(PartSink):
         """An HDF5 file written whole; one whose write failed is never closed nor freed
         (the library would write again, fail, and crash the process as it frees it):
         the run stops (`batch.command.run`), and the next one removes it."""
+        restore = _quiet_hdf5_frees()   # (the first failure may come as an object is freed)
         f = self.h5py.File(tmp, "w")
         try:
             yield f
+            f.close()
         except BaseException:
             _FAILED.append(f)
+            self.unfreeable = True
             raise
-        f.close()
+        restore()
 
     def _attrs(self, f, layout: str) -> None:
         f.attrs["hookserve"] = json.dumps(self.meta)

@@ -64,7 +64,7 @@ class NpySink(Sink):
                 row = _row(line, self.index_path, n)
                 self._done[row["path"]] = (row["size"], row["mtime_ns"], row["sha256"])
                 self.names[row["name"]] = row["path"]
-        self.index = open(self.index_path, "ab")  # noqa: SIM115 - closed in close()
+        self.index = open(self.index_path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
 
     def name_for(self, path: str) -> str:
         name = safe_relpath(path)
@@ -103,10 +103,15 @@ class NpySink(Sink):
             files[layer] = rel
         line = json.dumps({"path": rec.path, "sha256": rec.sha256, "size": rec.size,
                            "mtime_ns": rec.mtime_ns, "name": name, "files": files})
+        fd = self.index.fileno()   # (unbuffered: nothing of a failed line is left)
+        end = os.fstat(fd).st_size
         try:
-            self.index.write(line.encode() + b"\n")  # the commit: one write, one line
-            self.index.flush()
-        except OSError as exc:   # (a torn last line is dropped by the next run)
+            data = memoryview(line.encode() + b"\n")   # the commit: one line
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as exc:   # (a full disk: the line is cut off, its files removed)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
             self._undo("", files)
             self.broken = write_failed(self.out, exc)
             raise self.broken from None
@@ -123,15 +128,13 @@ class NpySink(Sink):
     def close(self, complete: bool) -> None:
         if self.index is not None:
             try:
-                self.index.flush()
                 os.fsync(self.index.fileno())
             except OSError as exc:
                 if self.broken is None:
                     self.broken = write_failed(self.out, exc)
                     raise self.broken from None
             finally:
-                with contextlib.suppress(OSError):   # (its buffer is lost: a torn line)
-                    self.index.close()
+                self.index.close()
         if self.lock is not None:   # (only the run holding the lock touches .tmp/)
             with contextlib.suppress(OSError):
                 os.rmdir(self.tmp_dir)
