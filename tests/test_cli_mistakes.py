@@ -115,7 +115,8 @@ def test_warm_without_compile_is_refused_at_start_up():
 
 def test_sdk_option_typos_name_the_options(server, img):
     with hookserve.Client(server.address, timeout=60) as c:
-        with pytest.raises(TypeError, match="'reduce': its options are reduction, dtype"):
+        with pytest.raises(TypeError, match=r"'reduce' \(did you mean reduction\?\): its "
+                                            "options are reduction, dtype"):
             c.extract(img.read_bytes(), ["layer1"], reduce="avg")
         with pytest.raises(TypeError, match="Client\\(timeout=...\\)"):
             c.extract(img.read_bytes(), ["layer1"], timeout=3)

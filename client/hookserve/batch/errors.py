@@ -36,11 +36,10 @@ def errors_path(args) -> str:
 
 #: The errors file's first line.
 HEADER = ["path", "code", "message"]
-#: The files a folder output holds besides its layers' folders.
-FOLDER_FILES = ("index.jsonl", "hookserve.json", ".lock")
 
 
-def check_errors_path(path: str, out: str, given: bool = True) -> None:
+def check_errors_path(path: str, out: str, owned: tuple[frozenset[str], tuple[str, ...]],
+                      given: bool = True) -> None:
     """Refuse (:class:`Abort`) an errors file the run must not write: a folder, one in
     a folder that does not exist (when `given` with --errors: the default, beside the
     output, is in the folder the output makes), the output itself or a file inside it
@@ -56,17 +55,10 @@ def check_errors_path(path: str, out: str, given: bool = True) -> None:
     o = os.path.abspath(out.rstrip("/") or out)
     if given and not os.path.isdir(os.path.dirname(p)) and not p.startswith(o + os.sep):
         raise Abort(f"{flag}: the folder {os.path.dirname(p)} does not exist")
-    from .sinks import format_of
-    from .sinks.npy import TMP_DIR
-
-    # a file output, and its parts; in a folder output, the files the run writes (a
-    # file of the user's own there is not touched: an errors file may sit beside them)
-    if format_of(out) != "npy":
-        inside = p.startswith((o + os.sep, o + ".parts" + os.sep))
-    else:
-        inside = p.startswith(os.path.join(o, TMP_DIR) + os.sep) or p in {
-            os.path.join(o, n) for n in FOLDER_FILES}
-    if p in (o, o + ".parts") or inside:
+    # `owned` (`sinks.owned_paths`): a file output and its parts; in a folder output,
+    # the files the run writes (a file of the user's beside them is not touched)
+    files, folders = owned
+    if p in files or p.startswith(tuple(f + os.sep for f in folders)):
         raise Abort(f"{flag} is {'the output' if p == o else 'inside the output'} "
                     f"(--out {out}): name a file outside it")
     if os.path.isfile(p) and os.path.getsize(p) > 0:

@@ -46,7 +46,7 @@ from .limits import Cap
 from .progress import Progress
 from .readers import is_tar
 from .scheduler import Item, Scheduler, Streams
-from .sinks import Record, ShapeMismatch, Sink, make_sink, peek_done
+from .sinks import Record, ShapeMismatch, Sink, make_sink, owned_paths, peek_done
 from .spec import connect, describe_and_check, parse_layers
 from .streamcall import weights_of
 
@@ -117,7 +117,8 @@ def run_local(args: argparse.Namespace) -> int:
 
     if args.dry_run:
         return _dry_run(args, paths)
-    check_errors_path(errors_path(args), args.out, given=args.errors is not None)
+    check_errors_path(errors_path(args), args.out, owned_paths(args.out),
+                      given=args.errors is not None)
     if not paths and unlisted:
         raise Abort(f"cannot list {unlisted[0][0]}: {unlisted[0][2]}: no input images "
                     "found")

@@ -39,6 +39,18 @@ def unknown_format(out: str) -> str | None:
             "NAME.parquet, or a folder of .npy files (NAME.npy, no suffix, or end it with /)")
 
 
+def owned_paths(out: str) -> tuple[frozenset[str], tuple[str, ...]]:
+    """What a local run writing to `out` owns, as absolute paths: (files, folders
+    whose every file). A file output owns itself and its parts; a folder output its
+    index, settings, lock and temporary files, not a file of the user's beside them."""
+    o = os.path.abspath(out.rstrip("/") or out)
+    if format_of(out) != "npy":
+        return frozenset({o, o + ".parts"}), (o, o + ".parts")
+    from .npy import OWN_FILES, TMP_DIR
+    return frozenset({o, *(os.path.join(o, n) for n in OWN_FILES)}), (
+        os.path.join(o, TMP_DIR),)
+
+
 def make_sink(out: str, meta: dict, **kw) -> Sink:
     """The sink for `out`'s extension: .h5/.hdf5, .parquet, anything else a folder."""
     consolidate = kw.pop("consolidate", True)

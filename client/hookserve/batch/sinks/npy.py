@@ -21,6 +21,8 @@ _TMP = itertools.count()  # this process's temporary names
 #: The folder of temporary files inside the output (no layer is named so: layer names
 #: never start with a dot).
 TMP_DIR = ".tmp"
+#: The files a folder output holds besides its layers' folders.
+OWN_FILES = ("index.jsonl", "hookserve.json", ".lock")
 #: What a file name alone can make impossible: the image fails, the run goes on.
 _NAME_ERRORS = frozenset({errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
 
