@@ -11,6 +11,7 @@ policy are the same objects for both.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 import time
@@ -104,9 +105,10 @@ def refuse_unknown(call: str, unknown: dict[str, Any], known: Sequence[str],
                     f"options are {', '.join(known)}")
 
 
+@functools.cache
 def options_of(fn: Any, *leave: str) -> tuple[str, ...]:
     """The keyword options of a method: its parameters but the images and private ones
-    (and `leave`)."""
+    (and `leave`); read once per method (every call checks against them)."""
     return tuple(p for p in inspect.signature(fn).parameters
                  if p not in ("self", "images", "image", "unknown", *leave)
                  and not p.startswith("_"))

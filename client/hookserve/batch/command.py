@@ -22,34 +22,30 @@ def run(args: argparse.Namespace) -> int:
     """Run `hookserve batch` as `args` say; returns the exit code. (An .h5 output whose
     write failed leaves the HDF5 library unable to free that file: its process may then
     crash as it ends, after the error.)"""
-    return _run(args)
+    return _run(args)[0]
 
 
 def cli_run(args: argparse.Namespace) -> int:
     """`run` as the command does it: an .h5 output whose write failed ends the process
     at once, after its one line (with exit code 2), so that nothing frees that file."""
-    code = _run(args)
-    if _exit_now:
+    code, exit_now = _run(args)
+    if exit_now:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
 
 
-#: Set by `_run` when the output's failure leaves a file the process cannot free.
-_exit_now = False
-
-
-def _run(args: argparse.Namespace) -> int:
-    global _exit_now
+def _run(args: argparse.Namespace) -> tuple[int, bool]:
+    """(the exit code, whether the output's failure left a file the process cannot
+    free)."""
     return_freed_inputs()
     try:
         check_flags(args)
-        return run_sharded(args) if wants_shards(args) else run_local(args)
+        return (run_sharded(args) if wants_shards(args) else run_local(args)), False
     except (Abort, OutputError) as exc:   # (OutputError: the output failed mid-run)
         print(f"hookserve batch: {exc}", file=sys.stderr)
-        _exit_now = bool(getattr(exc, "exit_now", False))
-        return EXIT_CANNOT_PROCEED
+        return EXIT_CANNOT_PROCEED, bool(getattr(exc, "exit_now", False))
 
 
 def wants_shards(args: argparse.Namespace) -> bool:

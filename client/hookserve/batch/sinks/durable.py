@@ -65,6 +65,18 @@ def write_failed(out: str, exc: BaseException) -> OutputError:
                        "the images written so far are kept")
 
 
+def written(tmp: str, final: str, write) -> None:
+    """`write(tmp)`, then `tmp` renamed over `final`; a write that fails (a full disk)
+    leaves no `tmp` behind."""
+    try:
+        write(tmp)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    replace(tmp, final)
+
+
 def fsync_dir(path: str) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -306,14 +318,8 @@ class PartSink(Sink):
 
     def _commit(self, recs: list[Record], n: int) -> None:
         name = f"part-{n:06d}.{self.ext}"
-        tmp = os.path.join(self.dir, f".tmp-{name}")
-        try:
-            self._write_part(tmp, recs)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        replace(tmp, os.path.join(self.dir, name))
+        written(os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name),
+                lambda tmp: self._write_part(tmp, recs))
         self.parts.append((name, len(recs)))
 
     @contextlib.contextmanager

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from .base import OutputError, Record, check_meta, need
-from .durable import PartSink, fsync_dir, replace
+from .durable import PartSink, fsync_dir, written
 
 #: HDF5 files whose write failed, kept from being freed until the process ends.
 _FAILED: list = []
@@ -167,13 +167,7 @@ class H5Sink(PartSink):
         fields = [("paths", h5py.string_dtype(), ()), ("sha256", np.dtype("S64"), ()),
                   ("size", np.dtype(np.int64), ()), ("mtime_ns", np.dtype(np.int64), ())]
         fields += [(k, np.dtype(dt), shape) for k, (shape, dt) in self.shapes.items()]
-        try:
-            self._write_virtual(tmp, fields, total, rel)
-        except BaseException:   # (a full disk: the next run writes it again)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        replace(tmp, self.out)
+        written(tmp, self.out, lambda t: self._write_virtual(t, fields, total, rel))
 
     def _write_virtual(self, tmp: str, fields: list, total: int, rel: str) -> None:
         h5py = self.h5py
@@ -201,13 +195,7 @@ class H5Sink(PartSink):
         """Copy every part into one self-contained file (once, at the end of a run)."""
         tmp = os.path.join(os.path.dirname(os.path.abspath(self.out)),
                            f".tmp-{os.path.basename(self.out)}")
-        try:
-            self._copy_parts(tmp)
-        except BaseException:   # (a full disk: the parts stay, the next run consolidates)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        replace(tmp, self.out)
+        written(tmp, self.out, self._copy_parts)   # (failed: the parts stay, for the next)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _copy_parts(self, tmp: str) -> None:

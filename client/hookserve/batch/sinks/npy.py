@@ -94,7 +94,7 @@ class NpySink(Sink):
                     np.save(fh, arr, allow_pickle=False)
                 os.replace(tmp, final)
             except OSError as exc:
-                self._undo(tmp, files)
+                self._undo(files, tmp)
                 if exc.errno not in _NAME_ERRORS:   # (a full disk stops the run)
                     self.broken = write_failed(self.out, exc)
                     raise self.broken from None
@@ -114,16 +114,17 @@ class NpySink(Sink):
         except OSError as exc:   # (a full disk: the line is cut off, its files removed)
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, end)
-            self._undo("", files)
+            self._undo(files)
             self.broken = write_failed(self.out, exc)
             raise self.broken from None
         self.names[name] = rec.path
         self._done[rec.path] = (rec.size, rec.mtime_ns, rec.sha256)
 
-    def _undo(self, tmp: str, files: dict[str, str]) -> None:
-        """Remove what an image that cannot be stored left: its temporary file and the
-        files of its layers already renamed into place (no index line names them)."""
-        for p in (tmp, *(os.path.join(self.out, rel) for rel in files.values())):
+    def _undo(self, files: dict[str, str], tmp: str | None = None) -> None:
+        """Remove what an image that cannot be stored left: the files of its layers
+        already renamed into place (no index line names them), and its temporary file."""
+        for p in (*(os.path.join(self.out, rel) for rel in files.values()),
+                  *([tmp] if tmp else [])):
             with contextlib.suppress(OSError):
                 os.unlink(p)
 
